@@ -1,0 +1,95 @@
+"""Eager-mode ``reshard_after_forward``: do not keep gathered parameters alive until backward.
+
+Autograd saves the gathered weight (or a view of it, such as ``weight.t()``) for backward. While a
+wrapped model runs forward, :func:`resharding_saved_tensors` packs every saved tensor that shares
+storage with a gathered parameter as a small recipe (the shard, the gather and the view's
+geometry); backward unpacks the recipe by gathering again. Gathered tensors are tracked by weak
+reference, so a freed buffer whose address is reused is never mistaken for a parameter.
+
+torch.compile does not use this path: there the gather sits in a selective-checkpoint region (see
+:mod:`simplefsdp.param_gather`) and the partitioner places the re-gather in the backward graph.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import weakref
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from torch.distributed._functional_collectives import AsyncCollectiveTensor
+
+_state = threading.local()
+
+
+class _WaitForCollective(torch.autograd.Function):
+    """Finish an async collective and hand on a plain tensor (identity for autograd)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.wait() if isinstance(x, AsyncCollectiveTensor) else x
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
+
+
+@dataclass
+class _Regather:
+    gather: Callable[[torch.Tensor], torch.Tensor]
+    param: torch.Tensor
+    size: torch.Size
+    stride: tuple[int, ...]
+    offset: int
+
+
+def _storage_key(t: torch.Tensor) -> int | None:
+    if type(t) is not torch.Tensor:  # subclasses (DTensor activations) are saved as they are
+        return None
+    return t.untyped_storage().data_ptr()
+
+
+def gather_for_recompute(
+    gather: Callable[[torch.Tensor], torch.Tensor], param: torch.Tensor
+) -> torch.Tensor:
+    """Gather ``param`` and, inside :func:`resharding_saved_tensors`, mark the result re-gatherable."""
+    out = _WaitForCollective.apply(gather(param))
+    registry = getattr(_state, "gathered", None)
+    if registry is not None:
+        registry[out.untyped_storage().data_ptr()] = (weakref.ref(out), gather, param)
+    return out
+
+
+def _pack(t: torch.Tensor):
+    entry = _state.gathered.get(_storage_key(t))
+    if entry is None:
+        return t
+    ref, gather, param = entry
+    gathered = ref()
+    if gathered is None or gathered.dtype != t.dtype:
+        return t
+    return _Regather(gather, param, t.size(), t.stride(), t.storage_offset())
+
+
+def _unpack(packed):
+    if not isinstance(packed, _Regather):
+        return packed
+    with torch.no_grad():
+        full = _WaitForCollective.apply(packed.gather(packed.param))
+    return full.as_strided(packed.size, packed.stride, packed.offset)
+
+
+@contextlib.contextmanager
+def resharding_saved_tensors():
+    """Save re-gather recipes instead of gathered parameters for the duration of a forward."""
+    if getattr(_state, "gathered", None) is not None:  # nested forward: the outer one packs
+        yield
+        return
+    _state.gathered = {}
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(_pack, _unpack):
+            yield
+    finally:
+        _state.gathered = None

@@ -1,0 +1,210 @@
+"""``simple_fsdp()``: turn every parameter of a model into a sharded DTensor behind a property.
+
+For each module that owns parameters, the parameters are replaced in ``module._parameters`` by
+sharded DTensor ``nn.Parameter``s and the module's class is swapped for a generated subclass with
+one property per parameter name. The property reads the shard and passes it through the module's
+:class:`~simplefsdp.param_gather.ParamGather`, so compute sees the gathered tensor while
+``state_dict()``, ``parameters()`` and the optimizer see the shards (no collective).
+
+One subclass is generated per (original class, parameter names) and reused by every instance, so
+all layers of a model share one class and torch.compile compiles a block once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.nn as nn
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
+from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.utils._pytree import tree_map_only
+
+from simplefsdp.eager_reshard import resharding_saved_tensors
+from simplefsdp.mesh_layout import DataParallelLayout, resolve_layout
+from simplefsdp.param_gather import ParamGather, param_gather
+
+_GATHERS_ATTR = "_simplefsdp_gathers"
+_SWAPPED_CLASSES: dict[tuple[type, tuple[str, ...]], type] = {}
+
+
+def _gathered_property(name: str) -> property:
+    def read(module: nn.Module) -> torch.Tensor:
+        return getattr(module, _GATHERS_ATTR)[name](module._parameters[name])
+
+    return property(read)
+
+
+def _swap_class(module: nn.Module, names: tuple[str, ...]) -> None:
+    key = (type(module), names)
+    cls = _SWAPPED_CLASSES.get(key)
+    if cls is None:
+        props = {name: _gathered_property(name) for name in names}
+        cls = type(f"SimpleFSDP{type(module).__name__}", (type(module),), props)
+        _SWAPPED_CLASSES[key] = cls
+    module.__class__ = cls
+
+
+def is_simple_fsdp(model: nn.Module) -> bool:
+    """Whether ``simple_fsdp`` has wrapped ``model`` or any of its submodules."""
+    return any(hasattr(m, _GATHERS_ATTR) for m in model.modules())
+
+
+def _check_model(model: nn.Module) -> None:
+    if not isinstance(model, nn.Module):
+        raise ValueError(f"model must be an nn.Module; got {type(model).__name__}")
+    for name, module in model.named_modules():
+        if hasattr(module, _GATHERS_ATTR):
+            raise ValueError(f"module {name or '<root>'!r} is already wrapped by simple_fsdp")
+        if isinstance(module, FSDPModule):
+            raise ValueError(f"module {name or '<root>'!r} is already wrapped by fully_shard")
+    for name, param in model.named_parameters():
+        if isinstance(param, DTensor):
+            raise ValueError(
+                f"parameter {name!r} is already a DTensor; simple_fsdp shards plain parameters"
+            )
+
+
+def _check_mp_policy(mp_policy: MixedPrecisionPolicy | None) -> MixedPrecisionPolicy:
+    if mp_policy is None:
+        return MixedPrecisionPolicy()
+    if not isinstance(mp_policy, MixedPrecisionPolicy):
+        raise ValueError(
+            f"mp_policy must be a torch.distributed.fsdp.MixedPrecisionPolicy; got {type(mp_policy).__name__}"
+        )
+    for field in ("param_dtype", "reduce_dtype", "output_dtype"):
+        dtype = getattr(mp_policy, field)
+        if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+            raise ValueError(f"mp_policy.{field} must be a floating-point torch.dtype; got {dtype!r}")
+    return mp_policy
+
+
+def _materialize_meta(model: nn.Module, device: torch.device) -> None:
+    """Allocate meta parameters on ``device`` and initialize them with the owner's ``reset_parameters()``.
+
+    Modules are visited in registration order, one at a time, so peak memory is one module's
+    unsharded parameters and a seeded run draws the same values as building the model on ``device``.
+    """
+    for module_name, module in model.named_modules():
+        tensors = {**module._parameters, **module._buffers}
+        meta = [n for n, t in tensors.items() if t is not None and t.is_meta]
+        if not meta:
+            continue
+        if not callable(getattr(module, "reset_parameters", None)):
+            full = f"{module_name}.{meta[0]}" if module_name else meta[0]
+            raise ValueError(
+                f"parameter {full!r} is on the meta device and {type(module).__name__} has no "
+                "reset_parameters() to initialize it; materialize the model or define reset_parameters()"
+            )
+        module.to_empty(device=device, recurse=False)
+        with torch.no_grad():
+            module.reset_parameters()
+
+
+def _mesh_device(layout: DataParallelLayout) -> torch.device:
+    device_type = layout.dp_mesh.device_type
+    if device_type == "cpu":
+        return torch.device("cpu")
+    handle = getattr(torch, device_type)
+    return torch.device(device_type, handle.current_device())
+
+
+def _shard_parameter(param: nn.Parameter, layout: DataParallelLayout, device: torch.device) -> nn.Parameter:
+    # src_data_rank=None: every rank keeps its own chunk, like fully_shard; no collective
+    dtensor = distribute_tensor(
+        param.detach().to(device), layout.dp_mesh, layout.shard, src_data_rank=None
+    )
+    return nn.Parameter(dtensor, requires_grad=param.requires_grad)
+
+
+def _install_root_hooks(
+    model: nn.Module, mp_policy: MixedPrecisionPolicy, reshard_after_forward: bool
+) -> None:
+    """Cast root inputs/outputs as ``mp_policy`` asks; pack saved tensors for eager resharding."""
+    cast_inputs = mp_policy.cast_forward_inputs and mp_policy.param_dtype is not None
+    output_dtype = mp_policy.output_dtype
+    exit_stack = contextlib.ExitStack()
+
+    def _cast(dtype, tree):
+        return tree_map_only(
+            torch.Tensor, lambda t: t.to(dtype) if t.is_floating_point() else t, tree
+        )
+
+    def pre_hook(module, args, kwargs):
+        if reshard_after_forward and not torch.compiler.is_compiling():
+            exit_stack.enter_context(resharding_saved_tensors())
+        if cast_inputs:
+            return _cast(mp_policy.param_dtype, (args, kwargs))
+        return None
+
+    def post_hook(module, args, kwargs, output):
+        exit_stack.close()
+        if output_dtype is not None:
+            return _cast(output_dtype, output)
+        return None
+
+    model.register_forward_pre_hook(pre_hook, with_kwargs=True)
+    model.register_forward_hook(post_hook, with_kwargs=True, always_call=True)
+
+
+def simple_fsdp(
+    model: nn.Module,
+    mesh,
+    *,
+    mode: str | None = None,
+    mp_policy: MixedPrecisionPolicy | None = None,
+    reshard_after_forward: bool = True,
+    ep: int = 1,
+) -> nn.Module:
+    """Shard ``model``'s parameters over the data-parallel dims of ``mesh`` (in place; returns ``model``).
+
+    Args:
+        model: the module to wrap; its parameters must be plain tensors (on the mesh's device, the
+            CPU, or the meta device when their modules define ``reset_parameters()``).
+        mesh: a 1-D DeviceMesh (fully sharded over it) or a mesh with dims named ``dp_replicate``,
+            ``dp_shard`` and ``tp``.
+        mode: ``"fully_shard"`` (Shard(0) on ``dp_shard``), ``"replicate"`` (DDP: Replicate on
+            ``dp_replicate``) or ``"hybrid_shard"`` (both); inferred from the mesh dims when None.
+        mp_policy: FSDP2's ``MixedPrecisionPolicy``: gather in ``param_dtype``, reduce gradients in
+            ``reduce_dtype`` (default ``param_dtype``), keep the sharded parameters in their dtype.
+        reshard_after_forward: free gathered parameters after forward and gather again in backward.
+        ep: expert-parallel degree (1: no expert parallelism).
+
+    Gradients are averaged over the data-parallel ranks, as with ``fully_shard``.
+    """
+    _check_model(model)
+    if not isinstance(ep, int) or ep < 1:
+        raise ValueError(f"ep must be a positive int; got {ep!r}")
+    if ep != 1:
+        raise ValueError(f"ep={ep} needs a model with routed experts; this build supports ep=1 only")
+    layout = resolve_layout(mesh, mode)
+    mp_policy = _check_mp_policy(mp_policy)
+    device = _mesh_device(layout)
+    _materialize_meta(model, device)
+
+    gather = param_gather(
+        layout.gather_steps,
+        mp_policy.param_dtype,
+        mp_policy.reduce_dtype,
+        bool(reshard_after_forward),
+    )
+    sharded: dict[int, nn.Parameter] = {}  # tied parameters stay tied
+    for module in list(model.modules()):
+        names = tuple(n for n, p in module._parameters.items() if p is not None)
+        if not names:
+            continue
+        gathers: dict[str, ParamGather] = {}
+        for name in names:
+            param = module._parameters[name]
+            if id(param) not in sharded:
+                sharded[id(param)] = _shard_parameter(param, layout, device)
+            module._parameters[name] = sharded[id(param)]
+            gathers[name] = gather
+        setattr(module, _GATHERS_ATTR, gathers)
+        _swap_class(module, names)
+    for module in model.modules():  # buffers follow the parameters to the mesh's device
+        for name, buf in module._buffers.items():
+            if buf is not None:
+                module._buffers[name] = buf.to(device)
+    _install_root_hooks(model, mp_policy, bool(reshard_after_forward))
+    return model

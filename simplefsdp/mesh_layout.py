@@ -1,0 +1,113 @@
+"""Resolve a user's DeviceMesh and ``mode`` into the data-parallel layout of a parameter.
+
+``simple_fsdp`` accepts a 1-D mesh (fully sharded over it) or a mesh whose dims are named
+``dp_replicate``, ``dp_shard`` and ``tp``. This module checks those names and the mode, and
+answers, for the data-parallel dims only, three placement lists:
+
+``shard`` says how a parameter is stored (``Shard(0)`` on ``dp_shard``, ``Replicate()`` on
+``dp_replicate``), and ``gather_steps`` the 1-D meshes that compute gathers over, one step per
+dp dim: replicate dims first, so that backward reduce-scatters over ``dp_shard`` before it
+all-reduces the (smaller) shard over ``dp_replicate``, in FSDP2's order.
+
+Gradients are averaged over data-parallel ranks, as FSDP2's ``fully_shard`` does by default.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Placement, Replicate, Shard
+
+DP_REPLICATE = "dp_replicate"
+DP_SHARD = "dp_shard"
+TP = "tp"
+KNOWN_DIMS = (DP_REPLICATE, DP_SHARD, TP)
+
+# mode -> the data-parallel dims it needs, in mesh order
+MODE_DIMS = {
+    "fully_shard": (DP_SHARD,),
+    "replicate": (DP_REPLICATE,),
+    "hybrid_shard": (DP_REPLICATE, DP_SHARD),
+}
+
+
+@dataclass(frozen=True)
+class DataParallelLayout:
+    """The data-parallel part of a mesh and the placements a parameter takes on it."""
+
+    mode: str
+    dp_mesh: DeviceMesh
+    dp_dims: tuple[str, ...]
+    dim_meshes: tuple[DeviceMesh, ...]  # the 1-D mesh of each dp dim
+    tp_mesh: DeviceMesh | None
+
+    @property
+    def shard(self) -> tuple[Placement, ...]:
+        return tuple(_placement(d) for d in self.dp_dims)
+
+    @property
+    def gather_steps(self) -> tuple[tuple[DeviceMesh, Placement], ...]:
+        steps = [(m, _placement(d)) for d, m in zip(self.dp_dims, self.dim_meshes)]
+        return tuple(sorted(steps, key=lambda step: isinstance(step[1], Shard)))
+
+    @property
+    def dp_degree(self) -> int:
+        return self.dp_mesh.size()
+
+
+def _placement(dim: str) -> Placement:
+    return Shard(0) if dim == DP_SHARD else Replicate()
+
+
+def _dim_names(mesh: DeviceMesh, mode: str | None) -> tuple[str, ...]:
+    names = mesh.mesh_dim_names
+    if names is None:
+        if mesh.ndim != 1:
+            raise ValueError(
+                f"a {mesh.ndim}-D mesh needs mesh_dim_names from {KNOWN_DIMS}; got none"
+            )
+        # an unnamed 1-D mesh plays the single dp role its mode needs
+        dims = MODE_DIMS[mode or "fully_shard"]
+        if len(dims) != 1:
+            raise ValueError(
+                f"mode {mode!r} needs a mesh with dims {dims}; got an unnamed 1-D mesh"
+            )
+        return dims
+    for name in names:
+        if name not in KNOWN_DIMS:
+            raise ValueError(
+                f"mesh dim {name!r} is not one of {KNOWN_DIMS}; name the mesh dims "
+                "with init_device_mesh(..., mesh_dim_names=...)"
+            )
+    if len(set(names)) != len(names):
+        raise ValueError(f"mesh dim names repeat: {names}")
+    order = [KNOWN_DIMS.index(n) for n in names]
+    if order != sorted(order):
+        raise ValueError(f"mesh dims must be ordered as {KNOWN_DIMS}; got {names}")
+    return tuple(names)
+
+
+def resolve_layout(mesh: DeviceMesh, mode: str | None) -> DataParallelLayout:
+    """Check ``mesh`` and ``mode`` and return the data-parallel layout (ValueError if they don't fit)."""
+    if not isinstance(mesh, DeviceMesh):
+        raise ValueError(f"mesh must be a DeviceMesh; got {type(mesh).__name__}")
+    if mode is not None and mode not in MODE_DIMS:
+        raise ValueError(f"unknown mode {mode!r}; expected one of {tuple(MODE_DIMS)}")
+    names = _dim_names(mesh, mode)
+    dp_dims = tuple(n for n in names if n != TP)
+    if mode is None:
+        mode = next((m for m, dims in MODE_DIMS.items() if dims == dp_dims), None)
+        if mode is None:
+            raise ValueError(
+                f"mesh dims {names} name no data-parallel dim; add {DP_SHARD!r} or {DP_REPLICATE!r}"
+            )
+    elif MODE_DIMS[mode] != dp_dims:
+        raise ValueError(
+            f"mode {mode!r} needs data-parallel mesh dims {MODE_DIMS[mode]}; the mesh has {dp_dims}"
+        )
+    if mesh.mesh_dim_names is None:
+        return DataParallelLayout(mode, mesh, dp_dims, (mesh,), None)
+    dp_mesh = mesh[dp_dims] if len(dp_dims) > 1 else mesh[dp_dims[0]]
+    tp_mesh = mesh[TP] if TP in names else None
+    return DataParallelLayout(mode, dp_mesh, dp_dims, tuple(mesh[d] for d in dp_dims), tp_mesh)

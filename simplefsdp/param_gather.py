@@ -1,0 +1,105 @@
+"""The parametrization behind every SimpleFSDP parameter: gather the shard for compute.
+
+A wrapped module stores each parameter as a sharded DTensor ``nn.Parameter`` and reads it through
+a :class:`ParamGather`. Reading redistributes the shard to ``Replicate`` on the data-parallel mesh
+(an all-gather for ``Shard``, nothing for ``Replicate``) and hands compute a plain local tensor
+whose gradient is declared ``Partial("avg")``. Autograd then turns that declaration back into the
+parameter's placement: a reduce-scatter over ``dp_shard`` and an all-reduce over ``dp_replicate``.
+Mixed precision rides on the same call: ``forward_dtype`` casts the shard before the all-gather,
+``backward_dtype`` casts the gradient before its reduction.
+
+With ``reshard_after_forward`` the gathered tensor must not live from forward to backward:
+
+* under ``torch.compile`` the gather runs inside a selective-checkpoint region whose policy marks
+  every op ``MUST_RECOMPUTE``, so the partitioner re-gathers in the backward graph;
+* in eager mode :mod:`simplefsdp.eager_reshard` swaps saved views of the gathered tensor for a
+  recipe that re-gathers when backward unpacks them.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard
+from torch.utils.checkpoint import (
+    CheckpointPolicy,
+    checkpoint,
+    create_selective_checkpoint_contexts,
+)
+
+from simplefsdp import eager_reshard
+
+
+def _recompute_everything(ctx, func, *args, **kwargs) -> CheckpointPolicy:
+    return CheckpointPolicy.MUST_RECOMPUTE
+
+
+def _recompute_context():
+    return create_selective_checkpoint_contexts(_recompute_everything)
+
+
+@dataclass(frozen=True)
+class ParamGather:
+    """How one sharded parameter becomes the tensor that compute reads.
+
+    ``steps`` are (1-D mesh, placement on it) pairs, replicate dims first: forward walks them in
+    order (all-gathering where the placement is ``Shard``), backward in reverse (reduce-scatter,
+    then all-reduce of the reduced shard). Every step casts the gradient to the reduce dtype
+    before its collective. The cast to ``param_dtype`` sits right before the all-gather; when
+    gradients are reduced in ``param_dtype`` anyway it moves to the first step, so that the
+    all-reduce after the reduce-scatter also runs in ``param_dtype``, as in FSDP2.
+    """
+
+    steps: tuple[tuple[DeviceMesh, Placement], ...]
+    param_dtype: torch.dtype | None
+    reduce_dtype: torch.dtype | None
+    reshard_after_forward: bool
+
+    @property
+    def gathers(self) -> bool:
+        """Whether reading the parameter runs a collective in forward."""
+        return any(isinstance(p, Shard) for _, p in self.steps)
+
+    def gather(self, param: DTensor) -> torch.Tensor:
+        """All-gather ``param`` for compute; its gradient is averaged back onto the shard."""
+        reduce_dtype = self.reduce_dtype or self.param_dtype
+        cast_early = reduce_dtype == self.param_dtype
+        local = param.to_local()
+        last = len(self.steps) - 1
+        for i, (mesh, placement) in enumerate(self.steps):
+            shape, stride = _global_shape_and_stride(local, mesh, placement, param)
+            local = (
+                DTensor.from_local(local, mesh, (placement,), run_check=False, shape=shape, stride=stride)
+                .redistribute(
+                    placements=(Replicate(),),
+                    forward_dtype=self.param_dtype if (cast_early or i == last) else None,
+                    backward_dtype=reduce_dtype,
+                )
+                .to_local(grad_placements=(Partial("avg"),))
+            )
+        return local
+
+    def __call__(self, param: DTensor) -> torch.Tensor:
+        if not (self.reshard_after_forward and self.gathers and torch.is_grad_enabled()):
+            return self.gather(param)
+        if torch.compiler.is_compiling():
+            return checkpoint(
+                self.gather, param, use_reentrant=False, context_fn=_recompute_context
+            )
+        return eager_reshard.gather_for_recompute(self.gather, param)
+
+
+def _global_shape_and_stride(local, mesh, placement, param):
+    """The shape of ``local`` once gathered over ``mesh`` (the parameter's, for uneven shards)."""
+    if not isinstance(placement, Shard):
+        return local.shape, local.stride()
+    shape = list(local.shape)
+    shape[placement.dim] = param.shape[placement.dim]
+    return torch.Size(shape), torch.empty(shape, device="meta").stride()
+
+
+param_gather = functools.cache(ParamGather)
+"""One shared :class:`ParamGather` per distinct configuration, so torch.compile sees few objects."""

@@ -1,0 +1,74 @@
+"""Read the collectives and matmuls out of the graphs that Inductor compiles.
+
+:func:`captured_graphs` installs a post-grad pass that records, for every graph Inductor lowers
+(forward first, then backward), the ordered list of communication and matmul nodes, with process
+groups shown by mesh dim name instead of the run-dependent group number. Caches are disabled while
+it is active, since a cache hit skips the pass.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from torch._inductor.custom_graph_pass import CustomGraphPass
+
+MATMULS = {"mm", "addmm", "bmm", "baddbmm", "_grouped_mm"}
+# position of the group-name argument of each functional collective
+COLLECTIVES = {
+    "all_gather_into_tensor": 2,
+    "all_gather_single": 2,
+    "reduce_scatter_tensor": 3,
+    "reduce_scatter_single": 3,
+    "all_reduce": 2,
+    "all_reduce_": 2,  # Inductor re-inplaces all_reduce
+    "all_to_all_single": 3,
+    "all_gather_into_tensor_coalesced": 2,
+    "reduce_scatter_tensor_coalesced": 3,
+}
+
+
+def _dtype(node) -> str:
+    val = node.meta.get("val")
+    return str(val.dtype).removeprefix("torch.") if isinstance(val, torch.Tensor) else "?"
+
+
+def describe(graph: torch.fx.Graph, group_names: dict[str, str]) -> list[str]:
+    """One line per collective, wait and matmul: ``op[group] dtype`` in graph order."""
+    lines = []
+    for node in graph.nodes:
+        if node.op != "call_function" or not hasattr(node.target, "_opname"):
+            continue
+        name = node.target._opname
+        if name in COLLECTIVES:
+            group = node.args[COLLECTIVES[name]]
+            extra = f" {node.args[1]}" if name.startswith(("reduce_scatter", "all_reduce")) else ""
+            shown = name.rstrip("_")  # in-place and functional forms read alike
+            lines.append(f"{shown}[{group_names.get(group, group)}]{extra} {_dtype(node.args[0])}")
+        elif name == "wait_tensor":
+            lines.append("wait_tensor")
+        elif name in MATMULS:
+            lines.append(f"{name} {_dtype(node)}")
+    return lines
+
+
+class _Capture(CustomGraphPass):
+    def __init__(self, group_names: dict[str, str]):
+        self.group_names = group_names
+        self.graphs: list[list[str]] = []
+
+    def __call__(self, graph: torch.fx.Graph) -> None:
+        self.graphs.append(describe(graph, self.group_names))
+
+    def uuid(self):
+        return None
+
+
+@contextlib.contextmanager
+def captured_graphs(mesh):
+    """Yield a list that fills with one description per compiled graph (forward, then backward)."""
+    names = mesh.mesh_dim_names or ("dp",) * mesh.ndim
+    group_names = {mesh.get_group(i).group_name: names[i] for i in range(mesh.ndim)}
+    capture = _Capture(group_names)
+    with torch._inductor.config.patch(post_grad_custom_post_pass=capture, force_disable_caches=True):
+        yield capture.graphs

@@ -1,0 +1,92 @@
+"""Run a test body on N CPU ranks (gloo) in spawned processes; never hang.
+
+``run_ranks(fn, world_size, *args)`` starts one process per rank, initializes a gloo process
+group, calls ``fn(*args)`` and returns the per-rank results in rank order. The first rank that
+raises fails the test with that rank's traceback; the other ranks are killed at once (they would
+wait forever in a collective). A run past ``timeout`` seconds is killed and fails.
+
+Each rank compiles into its own Inductor cache dir (torch 2.13 can load another sub-mesh group's
+artifacts from a shared one) and uses one thread, since the CI machine has two cores.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import queue
+import socket
+import tempfile
+import time
+import traceback
+
+import torch.multiprocessing as mp
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank_main(rank, world_size, port, cache_root, results, fn, args):
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        TORCHINDUCTOR_CACHE_DIR=os.path.join(cache_root, f"rank{rank}"),
+        TORCHINDUCTOR_COMPILE_THREADS="1",
+    )
+    try:
+        import torch
+        import torch.distributed as dist
+
+        torch.set_num_threads(1)
+        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        try:
+            # plain pickle: torch tensors sent through shared memory die with their process
+            results.put((rank, "ok", pickle.dumps(fn(*args))))
+        finally:
+            dist.destroy_process_group()
+    except BaseException:
+        results.put((rank, "error", traceback.format_exc()))
+
+
+def run_ranks(fn, world_size: int, *args, timeout: float = 600.0) -> list:
+    """``fn(*args)`` on ``world_size`` gloo ranks; the list of their return values, by rank."""
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    cache_root = tempfile.mkdtemp(prefix="simplefsdp-inductor-")
+    port = _free_port()
+    procs = [
+        ctx.Process(target=_rank_main, args=(r, world_size, port, cache_root, results, fn, args))
+        for r in range(world_size)
+    ]
+    for p in procs:
+        p.start()
+    outputs: dict[int, object] = {}
+    deadline = time.monotonic() + timeout
+    try:
+        while len(outputs) < world_size:
+            try:
+                rank, status, value = results.get(timeout=1.0)
+            except queue.Empty:
+                if time.monotonic() > deadline:
+                    missing = sorted(set(range(world_size)) - set(outputs))
+                    raise TimeoutError(f"ranks {missing} did not finish within {timeout:.0f}s")
+                dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0) and r not in outputs]
+                if dead:
+                    raise RuntimeError(f"rank {dead[0]} died with exit code {procs[dead[0]].exitcode}")
+                continue
+            if status == "error":
+                raise RuntimeError(f"rank {rank} failed:\n{value}")
+            outputs[rank] = pickle.loads(value)
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.join(timeout=5 if len(outputs) == world_size else 0)
+            if p.is_alive():
+                p.kill()
+            p.join()
+    return [outputs[r] for r in range(world_size)]

@@ -1,0 +1,187 @@
+"""Graph structure of compiled SimpleFSDP: which collectives and matmuls Inductor gets, in order.
+
+One process with the fake 8-rank process group. A SwiGLU MLP (three weights) keeps the expected
+sequences short; the whole transformer is checked by counts.
+"""
+
+from __future__ import annotations
+
+import expecttest
+import pytest
+import torch
+from torch.distributed.device_mesh import init_device_mesh
+
+from simplefsdp import MixedPrecisionPolicy, simple_fsdp
+from simplefsdp.models.llama import FeedForward, Transformer, TransformerConfig, cross_entropy_loss
+from tests.graphs import captured_graphs
+
+BF16_FP32 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+
+
+def _mlp_graphs(mesh, **kwargs) -> tuple[str, str]:
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = simple_fsdp(FeedForward(16, 32), mesh, **kwargs)
+    compiled = torch.compile(model, fullgraph=True)
+    with captured_graphs(mesh) as graphs:
+        compiled(torch.randn(4, 16)).sum().backward()
+    forward, backward = graphs[-2:]  # a cast of the inputs (mp_policy) compiles as its own graph
+    return "\n".join(forward), "\n".join(backward)
+
+
+@pytest.fixture
+def tc(fake_world):
+    case = expecttest.TestCase()
+    case.maxDiff = None
+    return case
+
+
+def test_fully_shard_mixed_precision_regathers_in_backward(tc):
+    mesh = init_device_mesh("cpu", (8,), mesh_dim_names=("dp_shard",))
+    forward, backward = _mlp_graphs(mesh, mp_policy=BF16_FP32)
+    tc.assertExpectedInline(forward, """\
+all_gather_into_tensor[dp_shard] bfloat16
+wait_tensor
+mm bfloat16
+all_gather_into_tensor[dp_shard] bfloat16
+wait_tensor
+mm bfloat16
+all_gather_into_tensor[dp_shard] bfloat16
+wait_tensor
+mm bfloat16""")
+    tc.assertExpectedInline(backward, """\
+mm bfloat16
+all_gather_into_tensor[dp_shard] bfloat16
+wait_tensor
+mm bfloat16
+reduce_scatter_tensor[dp_shard] avg float32
+wait_tensor
+mm bfloat16
+reduce_scatter_tensor[dp_shard] avg float32
+wait_tensor
+mm bfloat16
+reduce_scatter_tensor[dp_shard] avg float32
+wait_tensor""")
+
+
+def test_keep_unsharded_has_no_all_gather_in_backward(tc):
+    mesh = init_device_mesh("cpu", (8,), mesh_dim_names=("dp_shard",))
+    forward, backward = _mlp_graphs(mesh, mp_policy=BF16_FP32, reshard_after_forward=False)
+    tc.assertExpectedInline(forward, """\
+all_gather_into_tensor[dp_shard] bfloat16
+wait_tensor
+mm bfloat16
+all_gather_into_tensor[dp_shard] bfloat16
+wait_tensor
+mm bfloat16
+all_gather_into_tensor[dp_shard] bfloat16
+wait_tensor
+mm bfloat16""")
+    tc.assertExpectedInline(backward, """\
+mm bfloat16
+mm bfloat16
+reduce_scatter_tensor[dp_shard] avg float32
+wait_tensor
+mm bfloat16
+reduce_scatter_tensor[dp_shard] avg float32
+wait_tensor
+mm bfloat16
+reduce_scatter_tensor[dp_shard] avg float32
+wait_tensor""")
+
+
+def test_hybrid_reduce_scatters_then_all_reduces_in_param_dtype(tc):
+    mesh = init_device_mesh("cpu", (2, 4), mesh_dim_names=("dp_replicate", "dp_shard"))
+    # reduce_dtype unset: gradients are reduced in param_dtype, as in FSDP2
+    forward, backward = _mlp_graphs(mesh, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
+    tc.assertExpectedInline(forward, """\
+all_gather_into_tensor[dp_shard] bfloat16
+wait_tensor
+mm bfloat16
+all_gather_into_tensor[dp_shard] bfloat16
+wait_tensor
+mm bfloat16
+all_gather_into_tensor[dp_shard] bfloat16
+wait_tensor
+mm bfloat16""")
+    tc.assertExpectedInline(backward, """\
+mm bfloat16
+all_gather_into_tensor[dp_shard] bfloat16
+wait_tensor
+mm bfloat16
+reduce_scatter_tensor[dp_shard] avg bfloat16
+wait_tensor
+all_reduce[dp_replicate] avg bfloat16
+wait_tensor
+mm bfloat16
+reduce_scatter_tensor[dp_shard] avg bfloat16
+wait_tensor
+all_reduce[dp_replicate] avg bfloat16
+wait_tensor
+mm bfloat16
+reduce_scatter_tensor[dp_shard] avg bfloat16
+wait_tensor
+all_reduce[dp_replicate] avg bfloat16
+wait_tensor""")
+
+
+def test_hybrid_reduces_in_reduce_dtype(fake_world):
+    mesh = init_device_mesh("cpu", (2, 4), mesh_dim_names=("dp_replicate", "dp_shard"))
+    forward, backward = _mlp_graphs(mesh, mp_policy=BF16_FP32)
+    reductions = [line for line in backward.splitlines() if "avg" in line]
+    assert reductions == ["reduce_scatter_tensor[dp_shard] avg float32", "all_reduce[dp_replicate] avg float32"] * 3
+
+
+def test_replicate_all_reduces_gradients_only(tc):
+    mesh = init_device_mesh("cpu", (8,), mesh_dim_names=("dp_replicate",))
+    forward, backward = _mlp_graphs(mesh)
+    tc.assertExpectedInline(forward, """\
+mm float32
+mm float32
+mm float32""")
+    tc.assertExpectedInline(backward, """\
+mm float32
+mm float32
+all_reduce[dp_replicate] avg float32
+wait_tensor
+mm float32
+all_reduce[dp_replicate] avg float32
+wait_tensor
+mm float32
+all_reduce[dp_replicate] avg float32
+wait_tensor""")
+
+
+def test_transformer_gathers_every_parameter_once_per_pass(fake_world):
+    mesh = init_device_mesh("cpu", (8,), mesh_dim_names=("dp_shard",))
+    torch._dynamo.reset()
+    model = simple_fsdp(Transformer(TransformerConfig(n_layers=2)), mesh)
+    n_params = len(list(model.parameters()))
+    compiled = torch.compile(model, fullgraph=True)
+    tokens = torch.randint(0, 256, (2, 8))
+    with captured_graphs(mesh) as graphs:
+        cross_entropy_loss(compiled(tokens), tokens).backward()
+    forward, backward = graphs
+    count = lambda graph, op: sum(line.startswith(op) for line in graph)
+    assert count(forward, "all_gather_into_tensor") == n_params == 21
+    assert count(backward, "reduce_scatter_tensor") == n_params
+    # the embedding's backward needs only the token ids: every other weight is gathered again
+    assert count(backward, "all_gather_into_tensor") == n_params - 1
+
+
+def test_one_compiled_graph_serves_every_block(fake_world):
+    """Blocks share one generated class, so compiling each block separately compiles once."""
+    from torch._dynamo.utils import counters
+
+    mesh = init_device_mesh("cpu", (8,), mesh_dim_names=("dp_shard",))
+    torch._dynamo.reset()
+    counters.clear()
+    model = simple_fsdp(Transformer(TransformerConfig(n_layers=3)), mesh)
+    h = torch.randn(2, 8, 64, requires_grad=True)
+    from simplefsdp.models.llama import rotary_tables
+
+    cos, sin = rotary_tables(8, 16, 10000.0, "cpu")
+    for block in model.layers:
+        h = torch.compile(block, backend="eager")(h, cos, sin)
+    assert counters["stats"]["unique_graphs"] == 1
+    assert len({type(block.attention.wq) for block in model.layers}) == 1

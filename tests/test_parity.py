@@ -1,0 +1,140 @@
+"""Training parity on CPU ranks: SimpleFSDP == one process, and SimpleFSDP == FSDP2.
+
+Each launch trains the same seeded model on the same global batches for 10 AdamW steps in every
+mode (fully_shard, replicate, hybrid_shard), on 2 and 4 gloo ranks, eager and compiled. The shapes
+include dims that 4 ranks do not divide (uneven shards).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests import training as T
+from tests.multirank import run_ranks
+
+# mode -> (mesh shape, dim names) for a world size
+LAYOUTS = {
+    "fully_shard": lambda w: ((w,), ("dp_shard",)),
+    "replicate": lambda w: ((w,), ("dp_replicate",)),
+    "hybrid_shard": lambda w: ((2, w // 2), ("dp_replicate", "dp_shard")),
+}
+MODES = tuple(LAYOUTS)
+
+# fp32 tolerances against the single-process run. Rounding differs (ranks average gradients, and
+# Inductor's fused kernels round unlike eager ones); AdamW turns a rounding difference in a
+# near-zero gradient into a step of up to lr, so parameters drift more than losses do.
+LOSS_ATOL, PARAM_ATOL = 2e-5, 5e-4
+
+
+def _mesh(mode, world):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    shape, names = LAYOUTS[mode](world)
+    return init_device_mesh("cpu", shape, mesh_dim_names=names)
+
+
+def _run_simple_fsdp(mode, compiled, reshard=True):
+    import torch.distributed as dist
+
+    from simplefsdp import simple_fsdp
+
+    torch._dynamo.reset()
+    model = simple_fsdp(T.build_model(), _mesh(mode, dist.get_world_size()), reshard_after_forward=reshard)
+    runner = torch.compile(model, fullgraph=True) if compiled else model
+    losses = T.train(runner, T.batches(), dp_rank=dist.get_rank(), dp_size=dist.get_world_size())
+    return losses, T.full_state(model)
+
+
+def _run_fsdp2(mode):
+    """FSDP2 ``fully_shard`` per block and at the root; replicate is HSDP with shard degree 1."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    world = dist.get_world_size()
+    shape = {"fully_shard": (world,), "replicate": (world, 1), "hybrid_shard": (2, world // 2)}[mode]
+    names = ("dp_shard",) if len(shape) == 1 else ("dp_replicate", "dp_shard")
+    mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
+    model = T.build_model()
+    for block in model.layers:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    losses = T.train(model, T.batches(), dp_rank=dist.get_rank(), dp_size=world)
+    return losses, T.full_state(model)
+
+
+def _eager_body():
+    out = {mode: _run_simple_fsdp(mode, compiled=False) for mode in MODES}
+    out["fully_shard/keep"] = _run_simple_fsdp("fully_shard", compiled=False, reshard=False)
+    out.update({f"fsdp2/{mode}": _run_fsdp2(mode) for mode in MODES})
+    return out
+
+
+def _compiled_body(world):
+    out = {mode: _run_simple_fsdp(mode, compiled=True) for mode in MODES}
+    if world == 2:
+        out["fully_shard/keep"] = _run_simple_fsdp("fully_shard", compiled=True, reshard=False)
+    return out
+
+
+@pytest.fixture(scope="module")
+def reference():
+    model = T.build_model()
+    return T.train(model, T.batches()), T.full_state(model)
+
+
+_launches: dict = {}
+
+
+def _launch(world, compiled):
+    key = (world, compiled)
+    if key not in _launches:
+        if compiled:
+            _launches[key] = run_ranks(_compiled_body, world, world)[0]
+        else:
+            _launches[key] = run_ranks(_eager_body, world)[0]
+    return _launches[key]
+
+
+def _report(name, losses, ref_losses, state, ref_state):
+    loss_diff = max(abs(a - b) for a, b in zip(losses, ref_losses))
+    param_diff = T.max_abs_diff(state, ref_state)
+    print(f"{name}: max |loss diff| {loss_diff:.3g}, max |param diff| {param_diff:.3g}")
+    return loss_diff, param_diff
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("mode", MODES + ("fully_shard/keep",))
+def test_eager_matches_single_process(world, mode, reference):
+    losses, state = _launch(world, compiled=False)[mode]
+    loss_diff, param_diff = _report(f"eager {mode} x{world}", losses, reference[0], state, reference[1])
+    assert loss_diff < LOSS_ATOL and param_diff < PARAM_ATOL
+    assert losses[-1] < 0.5 * losses[0]  # it trained
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("mode", MODES)
+def test_eager_matches_fsdp2_bitwise(world, mode):
+    results = _launch(world, compiled=False)
+    losses, state = results[mode]
+    fsdp2_losses, fsdp2_state = results[f"fsdp2/{mode}"]
+    loss_diff, param_diff = _report(f"eager {mode} x{world} vs fsdp2", losses, fsdp2_losses, state, fsdp2_state)
+    if mode == "replicate" and world > 2:
+        # FSDP2 all-reduces one flat buffer per group, we all-reduce each parameter: gloo's ring
+        # sums 4 ranks in an order that depends on an element's offset in the buffer
+        assert loss_diff < LOSS_ATOL and param_diff < PARAM_ATOL
+        return
+    assert losses == fsdp2_losses
+    assert all(torch.equal(state[k], fsdp2_state[k]) for k in state)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("mode", MODES + ("fully_shard/keep",))
+def test_compiled_matches_single_process(world, mode, reference):
+    results = _launch(world, compiled=True)
+    if mode not in results:
+        pytest.skip("reshard_after_forward=False is compiled on 2 ranks only")
+    losses, state = results[mode]
+    loss_diff, param_diff = _report(f"compiled {mode} x{world}", losses, reference[0], state, reference[1])
+    assert loss_diff < LOSS_ATOL and param_diff < PARAM_ATOL
