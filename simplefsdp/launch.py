@@ -1,11 +1,13 @@
-"""Run a test body on N CPU ranks (gloo) in spawned processes; never hang.
+"""Run a function on N local CPU ranks (gloo) in spawned processes; never hang.
+
+Used by the training entry point when no launcher (torchrun) started it, and by the tests.
 
 ``run_ranks(fn, world_size, *args)`` starts one process per rank, initializes a gloo process
 group, calls ``fn(*args)`` and returns the per-rank results in rank order. The first rank that
 raises fails the test with that rank's traceback; the other ranks are killed at once (they would
 wait forever in a collective). A run past ``timeout`` seconds is killed and fails.
 
-Each rank compiles into its own Inductor cache dir (torch 2.13 can load another sub-mesh group's
+Each rank compiles into its own Inductor cache dir (unless one is set) (torch 2.13 can load another sub-mesh group's
 artifacts from a shared one) and uses one thread, since the CI machine has two cores.
 """
 
@@ -35,9 +37,10 @@ def _rank_main(rank, world_size, port, cache_root, results, fn, args):
         RANK=str(rank),
         LOCAL_RANK=str(rank),
         WORLD_SIZE=str(world_size),
-        TORCHINDUCTOR_CACHE_DIR=os.path.join(cache_root, f"rank{rank}"),
         TORCHINDUCTOR_COMPILE_THREADS="1",
     )
+    base = os.environ.get("TORCHINDUCTOR_CACHE_DIR", cache_root)
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(base, f"rank{rank}")
     try:
         import torch
         import torch.distributed as dist
@@ -54,7 +57,10 @@ def _rank_main(rank, world_size, port, cache_root, results, fn, args):
 
 
 def run_ranks(fn, world_size: int, *args, timeout: float = 600.0) -> list:
-    """``fn(*args)`` on ``world_size`` gloo ranks; the list of their return values, by rank."""
+    """``fn(*args)`` on ``world_size`` gloo ranks; the list of their return values, by rank.
+
+    ``fn`` must be importable by name (a module-level function), since ranks are spawned.
+    """
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     cache_root = tempfile.mkdtemp(prefix="simplefsdp-inductor-")

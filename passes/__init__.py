@@ -1,0 +1,1 @@
+"""Inductor graph passes of SimpleFSDP (installed as ``simplefsdp.passes``)."""
