@@ -17,11 +17,13 @@ import contextlib
 import torch
 import torch.nn as nn
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
-from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.placement_types import _StridedShard
 from torch.utils._pytree import tree_map_only
 
 from simplefsdp.eager_reshard import resharding_saved_tensors
-from simplefsdp.mesh_layout import DataParallelLayout, resolve_layout
+from simplefsdp.expert_parallel import ExpertParallel, is_routed_experts
+from simplefsdp.mesh_layout import DataParallelLayout, ExpertLayout, resolve_layout
 from simplefsdp.param_gather import ParamGather, param_gather
 
 _GATHERS_ATTR = "_simplefsdp_gathers"
@@ -117,6 +119,51 @@ def _shard_parameter(param: nn.Parameter, layout: DataParallelLayout, device: to
     return nn.Parameter(dtensor, requires_grad=param.requires_grad)
 
 
+def _expert_fsdp_dim(experts: ExpertLayout, num_experts: int) -> int:
+    """FSDP shards the expert dim over edp, or dim 1 when edp ranks outnumber the local experts."""
+    return 0 if experts.edp * experts.ep <= num_experts else 1
+
+
+def _shard_expert_parameter(
+    param: nn.Parameter, experts: ExpertLayout, fsdp_dim: int, device: torch.device
+) -> nn.Parameter:
+    """A DTensor on ``[dp_replicate,] edp, ep``: experts split over ep, then FSDP over edp."""
+    full = param.detach().to(device)
+    local = full.chunk(experts.ep, 0)[experts.ep_mesh.get_local_rank()]
+    local = local.chunk(experts.edp, fsdp_dim)[experts.edp_mesh.get_local_rank()].contiguous()
+    edp = _StridedShard(0, split_factor=experts.ep) if fsdp_dim == 0 else Shard(fsdp_dim)
+    placements = ((Replicate(),) if experts.replicate_mesh is not None else ()) + (edp, Shard(0))
+    dtensor = DTensor.from_local(
+        local, experts.mesh, placements, run_check=False, shape=full.shape, stride=full.stride()
+    )
+    return nn.Parameter(dtensor, requires_grad=param.requires_grad)
+
+
+def _routed_experts(model: nn.Module, layout: DataParallelLayout, ep: int) -> dict[nn.Module, int]:
+    """The routed-expert modules to shard over ep, with their FSDP dim (ValueError if unfit)."""
+    if layout.experts is None:
+        return {}
+    found = {}
+    for name, module in model.named_modules():
+        if not is_routed_experts(module):
+            continue
+        if module.num_experts % ep:
+            raise ValueError(f"{name}: num_experts={module.num_experts} is not divisible by ep={ep}")
+        for pname, param in module.named_parameters(recurse=False):
+            if param.shape[0] != module.num_experts:
+                raise ValueError(
+                    f"{name}.{pname}: routed-expert parameters stack experts in dim 0 "
+                    f"(expected {module.num_experts}, got shape {tuple(param.shape)})"
+                )
+        found[module] = _expert_fsdp_dim(layout.experts, module.num_experts)
+    if not found:
+        raise ValueError(
+            f"ep={ep} but the model has no routed experts "
+            "(modules with `num_experts` and an `expert_parallel` attribute)"
+        )
+    return found
+
+
 def _install_root_hooks(
     model: nn.Module, mp_policy: MixedPrecisionPolicy, reshard_after_forward: bool
 ) -> None:
@@ -168,40 +215,48 @@ def simple_fsdp(
         mp_policy: FSDP2's ``MixedPrecisionPolicy``: gather in ``param_dtype``, reduce gradients in
             ``reduce_dtype`` (default ``param_dtype``), keep the sharded parameters in their dtype.
         reshard_after_forward: free gathered parameters after forward and gather again in backward.
-        ep: expert-parallel degree (1: no expert parallelism).
+        ep: expert-parallel degree. With ``ep > 1`` the ``dp_shard`` dim is split into
+            ``edp x ep``: routed experts (modules with ``num_experts`` and ``expert_parallel``)
+            are sharded over ``ep`` by expert and FSDP-sharded over ``edp``; tokens reach them by
+            all-to-all. Sets ``torch._dynamo.config.capture_scalar_outputs`` so the all-to-all
+            split sizes trace without a graph break.
 
     Gradients are averaged over the data-parallel ranks, as with ``fully_shard``.
     """
     _check_model(model)
     if not isinstance(ep, int) or ep < 1:
         raise ValueError(f"ep must be a positive int; got {ep!r}")
-    if ep != 1:
-        raise ValueError(f"ep={ep} needs a model with routed experts; this build supports ep=1 only")
-    layout = resolve_layout(mesh, mode)
+    layout = resolve_layout(mesh, mode, ep)
     mp_policy = _check_mp_policy(mp_policy)
+    routed = _routed_experts(model, layout, ep)
     device = _mesh_device(layout)
     _materialize_meta(model, device)
 
-    gather = param_gather(
-        layout.gather_steps,
-        mp_policy.param_dtype,
-        mp_policy.reduce_dtype,
-        bool(reshard_after_forward),
-    )
+    dtypes = (mp_policy.param_dtype, mp_policy.reduce_dtype, bool(reshard_after_forward))
+    dense_gather = param_gather(layout.gather_steps, *dtypes)
     sharded: dict[int, nn.Parameter] = {}  # tied parameters stay tied
     for module in list(model.modules()):
         names = tuple(n for n, p in module._parameters.items() if p is not None)
         if not names:
             continue
-        gathers: dict[str, ParamGather] = {}
+        if module in routed:
+            fsdp_dim = routed[module]
+            gather = param_gather(
+                layout.experts_gather_steps(fsdp_dim), *dtypes, kept_split=((0, ep),), grad_scale=1.0 / ep
+            )
+            shard = lambda p: _shard_expert_parameter(p, layout.experts, fsdp_dim, device)
+            module.expert_parallel = ExpertParallel(layout.experts.ep_mesh, module.num_experts)
+        else:
+            gather, shard = dense_gather, lambda p: _shard_parameter(p, layout, device)
         for name in names:
             param = module._parameters[name]
             if id(param) not in sharded:
-                sharded[id(param)] = _shard_parameter(param, layout, device)
+                sharded[id(param)] = shard(param)
             module._parameters[name] = sharded[id(param)]
-            gathers[name] = gather
-        setattr(module, _GATHERS_ATTR, gathers)
+        setattr(module, _GATHERS_ATTR, dict.fromkeys(names, gather))
         _swap_class(module, names)
+    if routed:  # dispatch split sizes become unbacked symbolic sizes, not graph breaks
+        torch._dynamo.config.capture_scalar_outputs = True
     for module in model.modules():  # buffers follow the parameters to the mesh's device
         for name, buf in module._buffers.items():
             if buf is not None:

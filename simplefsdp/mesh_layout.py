@@ -10,6 +10,10 @@ dp dim: replicate dims first, so that backward reduce-scatters over ``dp_shard``
 all-reduces the (smaller) shard over ``dp_replicate``, in FSDP2's order.
 
 Gradients are averaged over data-parallel ranks, as FSDP2's ``fully_shard`` does by default.
+
+With expert parallelism (``ep > 1``) the ``dp_shard`` dim is split into ``edp x ep``: routed
+experts are sharded over ``ep`` by expert and FSDP-sharded over ``edp`` (the data-parallel ranks
+left over), in :class:`ExpertLayout`; everything else stays on the dense dp mesh.
 """
 
 from __future__ import annotations
@@ -33,6 +37,24 @@ MODE_DIMS = {
 
 
 @dataclass(frozen=True)
+class ExpertLayout:
+    """The sparse mesh of routed experts: ``[dp_replicate,] edp, ep``."""
+
+    mesh: DeviceMesh
+    replicate_mesh: DeviceMesh | None
+    edp_mesh: DeviceMesh
+    ep_mesh: DeviceMesh
+
+    @property
+    def ep(self) -> int:
+        return self.ep_mesh.size()
+
+    @property
+    def edp(self) -> int:
+        return self.edp_mesh.size()
+
+
+@dataclass(frozen=True)
 class DataParallelLayout:
     """The data-parallel part of a mesh and the placements a parameter takes on it."""
 
@@ -41,6 +63,7 @@ class DataParallelLayout:
     dp_dims: tuple[str, ...]
     dim_meshes: tuple[DeviceMesh, ...]  # the 1-D mesh of each dp dim
     tp_mesh: DeviceMesh | None
+    experts: ExpertLayout | None = None
 
     @property
     def shard(self) -> tuple[Placement, ...]:
@@ -49,11 +72,24 @@ class DataParallelLayout:
     @property
     def gather_steps(self) -> tuple[tuple[DeviceMesh, Placement], ...]:
         steps = [(m, _placement(d)) for d, m in zip(self.dp_dims, self.dim_meshes)]
-        return tuple(sorted(steps, key=lambda step: isinstance(step[1], Shard)))
+        return _nontrivial(sorted(steps, key=lambda step: isinstance(step[1], Shard)))
+
+    def experts_gather_steps(self, fsdp_dim: int) -> tuple[tuple[DeviceMesh, Placement], ...]:
+        """Routed experts gather over edp only (replicated over dp_replicate); ep stays split."""
+        experts = self.experts
+        steps = [(experts.edp_mesh, Shard(fsdp_dim))]
+        if experts.replicate_mesh is not None:
+            steps.insert(0, (experts.replicate_mesh, Replicate()))
+        return _nontrivial(steps)
 
     @property
     def dp_degree(self) -> int:
         return self.dp_mesh.size()
+
+
+def _nontrivial(steps) -> tuple[tuple[DeviceMesh, Placement], ...]:
+    """Drop steps over one rank: they would be collectives that move nothing."""
+    return tuple((m, p) for m, p in steps if m.size() > 1)
 
 
 def _placement(dim: str) -> Placement:
@@ -88,8 +124,35 @@ def _dim_names(mesh: DeviceMesh, mode: str | None) -> tuple[str, ...]:
     return tuple(names)
 
 
-def resolve_layout(mesh: DeviceMesh, mode: str | None) -> DataParallelLayout:
-    """Check ``mesh`` and ``mode`` and return the data-parallel layout (ValueError if they don't fit)."""
+def _unflatten(mesh: DeviceMesh, dim: int, sizes: tuple[int, ...], names: tuple[str, ...]) -> DeviceMesh:
+    """``mesh`` with ``dim`` split into ``sizes`` (inner-most fastest), named ``names``."""
+    all_names = list(mesh.mesh_dim_names or ("dp_shard",))
+    if hasattr(mesh, "_unflatten"):
+        return mesh._unflatten(dim, sizes, names)
+    shape = list(mesh.mesh.shape)
+    shape[dim : dim + 1] = sizes
+    all_names[dim : dim + 1] = names
+    return DeviceMesh(mesh.device_type, mesh.mesh.reshape(shape), mesh_dim_names=tuple(all_names))
+
+
+def _expert_layout(mesh: DeviceMesh, dims: tuple[str, ...], ep: int) -> ExpertLayout:
+    if TP in dims:
+        raise ValueError("ep > 1 together with a tp mesh dim is not supported yet")
+    if DP_SHARD not in dims:
+        raise ValueError(f"ep={ep} needs a {DP_SHARD!r} mesh dim to split into edp x ep; the mesh has {dims}")
+    shard_dim = dims.index(DP_SHARD)
+    degree = mesh.size(shard_dim)
+    if ep > degree:
+        raise ValueError(f"the mesh has no room for ep={ep}: the {DP_SHARD} degree is {degree}")
+    if degree % ep:
+        raise ValueError(f"ep={ep} does not divide the {DP_SHARD} degree {degree}")
+    sparse = _unflatten(mesh, shard_dim, (degree // ep, ep), ("edp", "ep"))
+    replicate = sparse[DP_REPLICATE] if DP_REPLICATE in dims else None
+    return ExpertLayout(sparse, replicate, sparse["edp"], sparse["ep"])
+
+
+def resolve_layout(mesh: DeviceMesh, mode: str | None, ep: int = 1) -> DataParallelLayout:
+    """Check ``mesh``, ``mode`` and ``ep``; return the data-parallel layout (ValueError if they don't fit)."""
     if not isinstance(mesh, DeviceMesh):
         raise ValueError(f"mesh must be a DeviceMesh; got {type(mesh).__name__}")
     if mode is not None and mode not in MODE_DIMS:
@@ -106,8 +169,9 @@ def resolve_layout(mesh: DeviceMesh, mode: str | None) -> DataParallelLayout:
         raise ValueError(
             f"mode {mode!r} needs data-parallel mesh dims {MODE_DIMS[mode]}; the mesh has {dp_dims}"
         )
+    experts = _expert_layout(mesh, names, ep) if ep > 1 else None
     if mesh.mesh_dim_names is None:
-        return DataParallelLayout(mode, mesh, dp_dims, (mesh,), None)
+        return DataParallelLayout(mode, mesh, dp_dims, (mesh,), None, experts)
     dp_mesh = mesh[dp_dims] if len(dp_dims) > 1 else mesh[dp_dims[0]]
     tp_mesh = mesh[TP] if TP in names else None
-    return DataParallelLayout(mode, dp_mesh, dp_dims, tuple(mesh[d] for d in dp_dims), tp_mesh)
+    return DataParallelLayout(mode, dp_mesh, dp_dims, tuple(mesh[d] for d in dp_dims), tp_mesh, experts)

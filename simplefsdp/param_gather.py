@@ -57,6 +57,10 @@ class ParamGather:
     param_dtype: torch.dtype | None
     reduce_dtype: torch.dtype | None
     reshard_after_forward: bool
+    # (tensor dim, degree) that mesh dims outside ``steps`` keep split (experts over ep)
+    kept_split: tuple[tuple[int, int], ...] = ()
+    # extra gradient factor: experts sum the contributions of all ep ranks' tokens
+    grad_scale: float = 1.0
 
     @property
     def gathers(self) -> bool:
@@ -70,7 +74,7 @@ class ParamGather:
         local = param.to_local()
         last = len(self.steps) - 1
         for i, (mesh, placement) in enumerate(self.steps):
-            shape, stride = _global_shape_and_stride(local, mesh, placement, param)
+            shape, stride = self._gathered_shape_and_stride(local, placement, param)
             local = (
                 DTensor.from_local(local, mesh, (placement,), run_check=False, shape=shape, stride=stride)
                 .redistribute(
@@ -80,7 +84,17 @@ class ParamGather:
                 )
                 .to_local(grad_placements=(Partial("avg"),))
             )
+        if self.grad_scale != 1.0:
+            local = _ScaleGrad.apply(local, self.grad_scale)
         return local
+
+    def _gathered_shape_and_stride(self, local, placement, param):
+        """The shape of ``local`` once gathered over one step's mesh (exact for uneven shards)."""
+        if not isinstance(placement, Shard):
+            return local.shape, local.stride()
+        shape = list(local.shape)
+        shape[placement.dim] = param.shape[placement.dim] // dict(self.kept_split).get(placement.dim, 1)
+        return torch.Size(shape), torch.empty(shape, device="meta").stride()
 
     def __call__(self, param: DTensor) -> torch.Tensor:
         if not (self.reshard_after_forward and self.gathers and torch.is_grad_enabled()):
@@ -92,13 +106,15 @@ class ParamGather:
         return eager_reshard.gather_for_recompute(self.gather, param)
 
 
-def _global_shape_and_stride(local, mesh, placement, param):
-    """The shape of ``local`` once gathered over ``mesh`` (the parameter's, for uneven shards)."""
-    if not isinstance(placement, Shard):
-        return local.shape, local.stride()
-    shape = list(local.shape)
-    shape[placement.dim] = param.shape[placement.dim]
-    return torch.Size(shape), torch.empty(shape, device="meta").stride()
+class _ScaleGrad(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, scale):
+        ctx.scale = scale
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * ctx.scale, None
 
 
 param_gather = functools.cache(ParamGather)

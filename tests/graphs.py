@@ -64,11 +64,26 @@ class _Capture(CustomGraphPass):
         return None
 
 
+def _group_names(source) -> dict[str, str]:
+    """Process-group name -> mesh dim name, for a DeviceMesh or a model wrapped by simple_fsdp."""
+    if isinstance(source, torch.nn.Module):
+        meshes = []
+        for module in source.modules():
+            for gather in getattr(module, "_simplefsdp_gathers", {}).values():
+                meshes.extend(mesh for mesh, _ in gather.steps)
+            if getattr(module, "expert_parallel", None) is not None:
+                meshes.append(module.expert_parallel.ep_mesh)
+    else:
+        meshes = [source[name] for name in source.mesh_dim_names] if source.mesh_dim_names else [source]
+    return {m.get_group().group_name: (m.mesh_dim_names or ("dp",))[0] for m in meshes}
+
+
 @contextlib.contextmanager
-def captured_graphs(mesh):
-    """Yield a list that fills with one description per compiled graph (forward, then backward)."""
-    names = mesh.mesh_dim_names or ("dp",) * mesh.ndim
-    group_names = {mesh.get_group(i).group_name: names[i] for i in range(mesh.ndim)}
-    capture = _Capture(group_names)
+def captured_graphs(source):
+    """Yield a list that fills with one description per compiled graph (forward, then backward).
+
+    ``source`` (a DeviceMesh, or a wrapped model) names the process groups.
+    """
+    capture = _Capture(_group_names(source))
     with torch._inductor.config.patch(post_grad_custom_post_pass=capture, force_disable_caches=True):
         yield capture.graphs

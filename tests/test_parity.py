@@ -11,7 +11,6 @@ import pytest
 import torch
 
 from tests import training as T
-from simplefsdp.launch import run_ranks
 
 # mode -> (mesh shape, dim names) for a world size
 LAYOUTS = {
@@ -97,31 +96,17 @@ def reference():
     return T.train(model, T.batches()), T.full_state(model)
 
 
-_launches: dict = {}
-
-
 def _launch(world, compiled):
-    key = (world, compiled)
-    if key not in _launches:
-        if compiled:
-            _launches[key] = run_ranks(_compiled_body, world, world)[0]
-        else:
-            _launches[key] = run_ranks(_eager_body, world)[0]
-    return _launches[key]
-
-
-def _report(name, losses, ref_losses, state, ref_state):
-    loss_diff = max(abs(a - b) for a, b in zip(losses, ref_losses))
-    param_diff = T.max_abs_diff(state, ref_state)
-    print(f"{name}: max |loss diff| {loss_diff:.3g}, max |param diff| {param_diff:.3g}")
-    return loss_diff, param_diff
+    if compiled:
+        return T.launch_once(_compiled_body, world, world)
+    return T.launch_once(_eager_body, world)
 
 
 @pytest.mark.parametrize("world", [2, 4])
 @pytest.mark.parametrize("mode", MODES + ("fully_shard/keep",))
 def test_eager_matches_single_process(world, mode, reference):
     losses, state = _launch(world, compiled=False)[mode]
-    loss_diff, param_diff = _report(f"eager {mode} x{world}", losses, reference[0], state, reference[1])
+    loss_diff, param_diff = T.report(f"eager {mode} x{world}", losses, reference[0], state, reference[1])
     assert loss_diff < LOSS_ATOL and param_diff < PARAM_ATOL
     assert losses[-1] < 0.5 * losses[0]  # it trained
 
@@ -132,7 +117,7 @@ def test_eager_matches_fsdp2_bitwise(world, mode):
     results = _launch(world, compiled=False)
     losses, state = results[mode]
     fsdp2_losses, fsdp2_state = results[f"fsdp2/{mode}"]
-    loss_diff, param_diff = _report(f"eager {mode} x{world} vs fsdp2", losses, fsdp2_losses, state, fsdp2_state)
+    loss_diff, param_diff = T.report(f"eager {mode} x{world} vs fsdp2", losses, fsdp2_losses, state, fsdp2_state)
     if mode == "replicate" and world > 2:
         # FSDP2 all-reduces one flat buffer per group, we all-reduce each parameter: gloo's ring
         # sums 4 ranks in an order that depends on an element's offset in the buffer
@@ -147,5 +132,5 @@ def test_eager_matches_fsdp2_bitwise(world, mode):
 )
 def test_compiled_matches_single_process(world, mode, reference):
     losses, state = _launch(world, compiled=True)[mode]
-    loss_diff, param_diff = _report(f"compiled {mode} x{world}", losses, reference[0], state, reference[1])
+    loss_diff, param_diff = T.report(f"compiled {mode} x{world}", losses, reference[0], state, reference[1])
     assert loss_diff < LOSS_ATOL and param_diff < PARAM_ATOL

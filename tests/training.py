@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 from torch.distributed.tensor import DTensor
 
+from simplefsdp.launch import run_ranks
 from simplefsdp.models.llama import Transformer, TransformerConfig
 from simplefsdp.train import synthetic_batches, train_steps
 
@@ -19,6 +20,10 @@ GLOBAL_BATCH, SEQ_LEN, STEPS, LR, SEED = 8, 16, 10, 1e-2, 0
 
 def build_model(cfg: TransformerConfig = CFG) -> Transformer:
     torch.manual_seed(SEED)
+    if hasattr(cfg, "num_experts"):
+        from simplefsdp.models.moe import moe_transformer
+
+        return moe_transformer(cfg)
     return Transformer(cfg)
 
 
@@ -36,6 +41,25 @@ def full_state(model) -> dict[str, torch.Tensor]:
         k.removeprefix("_orig_mod."): (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone()
         for k, v in model.state_dict().items()
     }
+
+
+def report(name, losses, ref_losses, state, ref_state) -> tuple[float, float]:
+    """Print and return the largest loss and parameter differences of a run against a reference."""
+    loss_diff = max(abs(a - b) for a, b in zip(losses, ref_losses, strict=True))
+    param_diff = max_abs_diff(state, ref_state)
+    print(f"{name}: max |loss diff| {loss_diff:.3g}, max |param diff| {param_diff:.3g}")
+    return loss_diff, param_diff
+
+
+_launches: dict = {}
+
+
+def launch_once(fn, world: int, *args):
+    """Rank 0's result of ``fn(*args)`` on ``world`` ranks, run once per test session."""
+    key = (fn.__module__, fn.__name__, world, args)
+    if key not in _launches:
+        _launches[key] = run_ranks(fn, world, *args)[0]
+    return _launches[key]
 
 
 def max_abs_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:

@@ -100,13 +100,23 @@ class FeedForward(nn.Module):
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
 
+def dense_mlp(cfg: TransformerConfig, layer_id: int) -> nn.Module:
+    return FeedForward(cfg.dim, cfg.ffn_dim)
+
+
 class TransformerBlock(nn.Module):
-    def __init__(self, cfg: TransformerConfig, mlp: nn.Module | None = None):
+    """Pre-norm attention and MLP; ``make_mlp(cfg, layer_id)`` builds the MLP (dense by default).
+
+    Submodules are built in registration order, so seeded construction draws random numbers in
+    the order that meta-device initialization (``named_modules()`` order) replays.
+    """
+
+    def __init__(self, cfg: TransformerConfig, layer_id: int = 0, make_mlp=dense_mlp):
         super().__init__()
         self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.attention = Attention(cfg)
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.feed_forward = mlp if mlp is not None else FeedForward(cfg.dim, cfg.ffn_dim)
+        self.feed_forward = make_mlp(cfg, layer_id)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         x = x + self.attention(self.attention_norm(x), cos, sin)
@@ -116,13 +126,11 @@ class TransformerBlock(nn.Module):
 class Transformer(nn.Module):
     """Token ids [batch, seq] -> logits [batch, seq, vocab]."""
 
-    def __init__(self, cfg: TransformerConfig, blocks: list[nn.Module] | None = None):
+    def __init__(self, cfg: TransformerConfig, make_mlp=dense_mlp):
         super().__init__()
         self.cfg = cfg
         self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
-        self.layers = nn.ModuleList(
-            blocks if blocks is not None else [TransformerBlock(cfg) for _ in range(cfg.n_layers)]
-        )
+        self.layers = nn.ModuleList(TransformerBlock(cfg, i, make_mlp) for i in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
 

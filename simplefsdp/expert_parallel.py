@@ -1,0 +1,63 @@
+"""Expert parallelism: move each token to the rank that holds its expert, and back.
+
+The routed experts of a MoE layer are split over the ``ep`` ranks: rank ``j`` holds experts
+``j*L .. (j+1)*L - 1`` (``L = num_experts / ep``). Tokens arrive sorted by expert, so the tokens
+for rank ``j`` are one contiguous block. :class:`ExpertParallel`:
+
+1. exchanges tokens-per-expert counts with an all-to-all (``[E]`` int32 per rank);
+2. dispatches the token rows with an autograd all-to-all whose split sizes come from the counts;
+3. reorders the received rows (grouped by source rank, then expert) by local expert, runs the
+   local experts, restores the order;
+4. combines: the reverse all-to-all sends the outputs home.
+
+The split sizes are read to the host (``tolist``); under torch.compile they become unbacked
+symbolic sizes (``capture_scalar_outputs``, which ``simple_fsdp`` turns on when ``ep > 1``), so
+dispatch and combine trace into one graph with the experts, without module state.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.distributed._functional_collectives as funcol
+from torch.distributed.device_mesh import DeviceMesh
+
+
+def is_routed_experts(module: torch.nn.Module) -> bool:
+    """Routed-expert modules declare ``num_experts`` and an ``expert_parallel`` slot."""
+    return hasattr(module, "num_experts") and hasattr(module, "expert_parallel")
+
+
+class ExpertParallel:
+    """Token dispatch and combine over one ``ep`` mesh dim (set on a routed-experts module)."""
+
+    def __init__(self, ep_mesh: DeviceMesh, num_experts: int):
+        self.ep_mesh = ep_mesh
+        self.degree = ep_mesh.size()
+        self.local_experts = num_experts // self.degree
+
+    def __call__(
+        self,
+        local_experts: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+        x: torch.Tensor,
+        counts: torch.Tensor,
+    ) -> torch.Tensor:
+        ranks, experts = self.degree, self.local_experts
+        group = self.ep_mesh.get_group()
+        # recv_counts[i, e]: rows that rank i sends to local expert e here
+        recv_counts = funcol.all_to_all_single(counts, [experts] * ranks, [experts] * ranks, group)
+        recv_counts = funcol.wait_tensor(recv_counts).view(ranks, experts)
+        send_splits = counts.view(ranks, experts).sum(1).tolist()
+        recv_splits = recv_counts.sum(1).tolist()
+        received = funcol.all_to_all_single_autograd(x, recv_splits, send_splits, group)
+
+        expert_of_row = torch.repeat_interleave(
+            torch.arange(experts, device=x.device).repeat(ranks),
+            recv_counts.flatten(),
+            output_size=received.shape[0],
+        )
+        order = torch.argsort(expert_of_row, stable=True)
+        out = local_experts(received[order], recv_counts.sum(0))
+        out = torch.empty_like(out).index_copy(0, order, out)
+        return funcol.all_to_all_single_autograd(out, send_splits, recv_splits, group)

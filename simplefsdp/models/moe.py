@@ -1,0 +1,155 @@
+"""A DeepSeek-V3-style mixture-of-experts transformer.
+
+The first ``n_dense_layers`` blocks use a dense SwiGLU MLP; the rest use :class:`MoE`:
+
+* :class:`Router`: sigmoid (or softmax) scores per expert; the top-k experts of a token are
+  chosen on ``score + expert_bias`` (the load-balancing bias is used for selection only) and the
+  chosen scores, normalized, weight the expert outputs. It also returns tokens per expert.
+* :class:`GroupedExperts`: the routed experts, stored stacked (``w1, w3: [E, dim, hidden]``,
+  ``w2: [E, hidden, dim]``) and computed with one grouped matmul per projection over tokens
+  sorted by expert. With expert parallelism they exchange tokens with all-to-all
+  (:mod:`simplefsdp.expert_parallel`).
+* shared experts: the same SwiGLU as a grouped matmul with a single group, on every token,
+  replicated across expert-parallel ranks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from simplefsdp.expert_parallel import ExpertParallel
+from simplefsdp.grouped_mm import grouped_mm
+from simplefsdp.models.llama import FeedForward, Transformer, TransformerConfig
+
+
+@dataclass(frozen=True)
+class MoEConfig(TransformerConfig):
+    n_dense_layers: int = 1
+    num_experts: int = 8
+    top_k: int = 2
+    expert_dim: int = 32
+    num_shared_experts: int = 1
+    score_func: str = "sigmoid"
+    route_scale: float = 1.0
+
+
+def _init_stacked(*weights: torch.Tensor) -> None:
+    for w in weights:
+        nn.init.trunc_normal_(w, std=w.shape[1] ** -0.5)
+
+
+def grouped_swiglu(x, w1, w2, w3, counts: torch.Tensor) -> torch.Tensor:
+    """SwiGLU of each group of rows with its own weights; ``counts[g]`` rows are group g."""
+    offs = torch.cumsum(counts, 0, dtype=torch.int32)
+    return grouped_mm(F.silu(grouped_mm(x, w1, offs)) * grouped_mm(x, w3, offs), w2, offs)
+
+
+class Router(nn.Module):
+    def __init__(self, dim: int, num_experts: int, top_k: int, score_func: str, route_scale: float):
+        super().__init__()
+        if score_func not in ("sigmoid", "softmax"):
+            raise ValueError(f"score_func must be 'sigmoid' or 'softmax'; got {score_func!r}")
+        self.num_experts, self.top_k = num_experts, top_k
+        self.score_func, self.route_scale = score_func, route_scale
+        self.gate = nn.Linear(dim, num_experts, bias=False)
+        # load-balancing bias: shifts which experts are chosen, never the weights
+        self.register_buffer("expert_bias", torch.zeros(num_experts), persistent=True)
+
+    def reset_parameters(self) -> None:
+        nn.init.zeros_(self.expert_bias)
+
+    def forward(self, x: torch.Tensor):
+        """x: [tokens, dim] -> (weights [tokens, k], experts [tokens, k], tokens per expert [E])."""
+        scores = self.gate(x).float()
+        scores = scores.sigmoid() if self.score_func == "sigmoid" else scores.softmax(-1)
+        experts = torch.topk(scores + self.expert_bias, self.top_k, dim=-1).indices
+        weights = scores.gather(-1, experts)
+        if self.score_func == "sigmoid":
+            weights = weights / weights.sum(-1, keepdim=True)
+        flat = experts.flatten()
+        counts = torch.zeros(self.num_experts, dtype=torch.int32, device=x.device)
+        counts = counts.scatter_add(0, flat, torch.ones_like(flat, dtype=torch.int32))
+        return weights * self.route_scale, experts, counts
+
+
+class GroupedExperts(nn.Module):
+    """Routed SwiGLU experts over tokens sorted by expert; ``counts[e]`` rows go to expert e.
+
+    ``simple_fsdp(..., ep=E)`` shards the expert dim over the ``ep`` ranks and sets
+    ``expert_parallel``, which moves each token to the rank holding its expert and back.
+    """
+
+    def __init__(self, dim: int, hidden: int, num_experts: int):
+        super().__init__()
+        self.num_experts = num_experts
+        self.w1 = nn.Parameter(torch.empty(num_experts, dim, hidden))
+        self.w3 = nn.Parameter(torch.empty(num_experts, dim, hidden))
+        self.w2 = nn.Parameter(torch.empty(num_experts, hidden, dim))
+        self.expert_parallel: ExpertParallel | None = None
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        _init_stacked(self.w1, self.w3, self.w2)
+
+    def _local_experts(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        return grouped_swiglu(x, self.w1, self.w2, self.w3, counts)
+
+    def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        if self.expert_parallel is None:
+            return self._local_experts(x, counts)
+        return self.expert_parallel(self._local_experts, x, counts)
+
+
+class SharedExperts(nn.Module):
+    """The always-on experts fused into one SwiGLU, run as a one-group grouped matmul."""
+
+    def __init__(self, dim: int, hidden: int):
+        super().__init__()
+        self.w1 = nn.Parameter(torch.empty(1, dim, hidden))
+        self.w3 = nn.Parameter(torch.empty(1, dim, hidden))
+        self.w2 = nn.Parameter(torch.empty(1, hidden, dim))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        _init_stacked(self.w1, self.w3, self.w2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        counts = torch.full((1,), x.shape[0], dtype=torch.int32, device=x.device)
+        return grouped_swiglu(x, self.w1, self.w2, self.w3, counts)
+
+
+class MoE(nn.Module):
+    def __init__(self, cfg: MoEConfig):
+        super().__init__()
+        self.top_k = cfg.top_k
+        self.router = Router(cfg.dim, cfg.num_experts, cfg.top_k, cfg.score_func, cfg.route_scale)
+        self.experts = GroupedExperts(cfg.dim, cfg.expert_dim, cfg.num_experts)
+        self.shared_experts = (
+            SharedExperts(cfg.dim, cfg.expert_dim * cfg.num_shared_experts) if cfg.num_shared_experts else None
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])
+        weights, experts, counts = self.router(x)
+        # token slots sorted by expert; the stable sort keeps token order within an expert
+        order = torch.argsort(experts.flatten(), stable=True)
+        routed = self.experts(x[order // self.top_k], counts)
+        unsorted = torch.empty_like(routed).index_copy(0, order, routed)
+        out = (unsorted.view(-1, self.top_k, shape[-1]) * weights.unsqueeze(-1).to(x.dtype)).sum(1)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x)
+        return out.view(shape)
+
+
+def _moe_or_dense_mlp(cfg: MoEConfig, layer_id: int) -> nn.Module:
+    return FeedForward(cfg.dim, cfg.ffn_dim) if layer_id < cfg.n_dense_layers else MoE(cfg)
+
+
+def moe_transformer(cfg: MoEConfig) -> Transformer:
+    """Dense blocks first, then MoE blocks."""
+    return Transformer(cfg, _moe_or_dense_mlp)

@@ -1,0 +1,132 @@
+"""Mixture of experts with expert parallelism: parity on CPU ranks, graph structure, errors.
+
+FSDP x EP on 4 gloo ranks (``dp_shard=4`` split into ``edp=2 x ep=2``) trains like one process on
+the same global batch, eager and compiled with ``fullgraph=True`` (no graph break: the
+all-to-all split sizes are traced as unbacked sizes).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from torch.distributed.device_mesh import init_device_mesh
+
+from simplefsdp import simple_fsdp
+from simplefsdp.models.moe import MoEConfig
+from tests import training as T
+from tests.graphs import captured_graphs
+
+# 8 experts over edp=2 x ep=2: FSDP shards the expert dim (Shard(0) on edp)
+MOE = MoEConfig(**dataclasses.asdict(T.CFG), num_experts=8, top_k=2, expert_dim=32)
+# 2 experts over edp=2 x ep=2: too few experts to split again, FSDP shards dim 1; softmax router
+MOE_FEW = dataclasses.replace(MOE, num_experts=2, top_k=1, score_func="softmax")
+CONFIGS = {"moe": MOE, "moe_few_experts": MOE_FEW}
+
+LOSS_ATOL = 1e-5
+# AdamW moves near-zero-gradient elements by up to lr per step, which turns rounding differences
+# (dense layer 0's MLP sees the largest) into parameter differences far above the loss's
+PARAM_ATOL = 2e-3
+
+RUNS = {  # name -> (config, mesh shape, dim names, compiled)
+    "fsdp4xep2/eager": ("moe", (4,), ("dp_shard",), False),
+    "fsdp4xep2/few_experts/eager": ("moe_few_experts", (4,), ("dp_shard",), False),
+    "hsdp2x2xep2/eager": ("moe", (2, 2), ("dp_replicate", "dp_shard"), False),
+    "fsdp4xep2/compiled": ("moe", (4,), ("dp_shard",), True),
+}
+
+
+@pytest.fixture(scope="module")
+def references():
+    out = {}
+    for name, cfg in CONFIGS.items():
+        model = T.build_model(cfg)
+        out[name] = T.train(model, T.batches(cfg)), T.full_state(model)
+    return out
+
+
+@pytest.mark.parametrize("run", RUNS)
+def test_expert_parallel_matches_single_process(run, references):
+    losses, state = T.launch_once(_body, 4)[run]
+    ref_losses, ref_state = references[RUNS[run][0]]
+    loss_diff, param_diff = T.report(run, losses, ref_losses, state, ref_state)
+    assert loss_diff < LOSS_ATOL and param_diff < PARAM_ATOL
+    assert losses[-1] < 0.7 * losses[0]
+
+
+def _moe_layer_graphs():
+    """Forward and backward graph lines of one compiled MoE layer under FSDP4 x EP2.
+
+    Runs on real gloo ranks: under the fake process group the counts exchange returns garbage and
+    the data-dependent dispatch cannot run.
+    """
+    mesh = init_device_mesh("cpu", (4,), mesh_dim_names=("dp_shard",))
+    torch._dynamo.reset()
+    cfg = dataclasses.replace(MOE, n_layers=1, n_dense_layers=0)
+    model = simple_fsdp(T.build_model(cfg).layers[0].feed_forward, mesh, ep=2)
+    compiled = torch.compile(model, fullgraph=True)
+    x = torch.randn(2, 8, cfg.dim, requires_grad=True)
+    with captured_graphs(model) as graphs:
+        compiled(x).sum().backward()
+    return graphs
+
+
+def _body():
+    import torch.distributed as dist
+
+    out = {"graphs": _moe_layer_graphs()}
+    for name, (cfg, shape, names, compiled) in RUNS.items():
+        torch._dynamo.reset()
+        model = simple_fsdp(T.build_model(CONFIGS[cfg]), init_device_mesh("cpu", shape, mesh_dim_names=names), ep=2)
+        runner = torch.compile(model, fullgraph=True) if compiled else model
+        losses = T.train(runner, T.batches(CONFIGS[cfg]), dp_rank=dist.get_rank(), dp_size=dist.get_world_size())
+        out[name] = losses, T.full_state(model)
+    return out
+
+
+def test_moe_layer_graph_uses_each_mesh():
+    forward, backward = T.launch_once(_body, 4)["graphs"]
+    collectives = [line for line in forward if "[" in line]
+    assert collectives == [
+        "all_gather_into_tensor[dp_shard] float32",  # router gate
+        "all_to_all_single[ep] int32",  # tokens per expert
+        "all_to_all_single[ep] float32",  # dispatch
+        "all_gather_into_tensor[edp] float32",  # routed experts w1, w3, w2
+        "all_gather_into_tensor[edp] float32",
+        "all_gather_into_tensor[edp] float32",
+        "all_to_all_single[ep] float32",  # combine
+        "all_gather_into_tensor[dp_shard] float32",  # shared experts w1, w3, w2
+        "all_gather_into_tensor[dp_shard] float32",
+        "all_gather_into_tensor[dp_shard] float32",
+    ]
+    reductions = sorted(line for line in backward if "avg" in line)
+    assert reductions == ["reduce_scatter_tensor[dp_shard] avg float32"] * 4 + ["reduce_scatter_tensor[edp] avg float32"] * 3
+    # the counts exchange runs once, in forward; backward only moves gradients of token rows
+    assert [line for line in backward if "all_to_all" in line] == ["all_to_all_single[ep] float32"] * 2
+
+
+def _expect_error(match, mesh_shape=(8,), names=("dp_shard",), ep=2, cfg=MOE):
+    with pytest.raises(ValueError, match=match):
+        simple_fsdp(T.build_model(cfg), init_device_mesh("cpu", mesh_shape, mesh_dim_names=names), ep=ep)
+
+
+def test_num_experts_not_divisible_by_ep(fake_world):
+    _expect_error(r"layers.1.feed_forward.experts: num_experts=2 is not divisible by ep=4", ep=4, cfg=MOE_FEW)
+
+
+def test_ep_must_divide_dp_shard(fake_world):
+    _expect_error(r"ep=3 does not divide the dp_shard degree 8", ep=3)
+
+
+def test_mesh_without_room_for_ep(fake_world):
+    _expect_error(r"no room for ep=16: the dp_shard degree is 8", ep=16)
+    _expect_error(r"ep=2 needs a 'dp_shard' mesh dim", names=("dp_replicate",))
+
+
+def test_ep_without_experts(fake_world):
+    _expect_error(r"ep=2 but the model has no routed experts", cfg=T.CFG)
+
+
+def test_ep_with_tp_not_supported_yet(fake_world):
+    _expect_error(r"ep > 1 together with a tp mesh dim is not supported yet", mesh_shape=(4, 2), names=("dp_shard", "tp"))
