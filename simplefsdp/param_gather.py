@@ -84,6 +84,8 @@ class ParamGather:
                 )
                 .to_local(grad_placements=(Partial("avg"),))
             )
+        if not self.steps and self.param_dtype is not None:  # one rank: nothing to gather
+            local = local.to(self.param_dtype)
         if self.grad_scale != 1.0:
             local = _ScaleGrad.apply(local, self.grad_scale)
         return local

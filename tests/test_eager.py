@@ -57,3 +57,13 @@ def test_meta_init_matches_eager_init(mesh):
     for name, param in model.named_parameters():
         expected = reference.get_parameter(name).chunk(8)[0]
         assert torch.equal(param.to_local(), expected), name
+
+
+def test_single_rank_mesh_still_casts_to_param_dtype(fake_world):
+    """A mesh dim of one rank gathers nothing, but compute still gets param_dtype weights."""
+    from simplefsdp import MixedPrecisionPolicy
+
+    mesh = init_device_mesh("cpu", (8, 1), mesh_dim_names=("dp_replicate", "dp_shard"))
+    for m in (mesh, mesh["dp_shard"]):
+        model = simple_fsdp(FeedForward(16, 32), m, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
+        assert model.w1.weight.dtype == torch.bfloat16
