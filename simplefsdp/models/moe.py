@@ -44,7 +44,7 @@ def _init_stacked(*weights: torch.Tensor) -> None:
 
 def grouped_swiglu(x, w1, w2, w3, counts: torch.Tensor) -> torch.Tensor:
     """SwiGLU of each group of rows with its own weights; ``counts[g]`` rows are group g."""
-    offs = torch.cumsum(counts, 0, dtype=torch.int32)
+    offs = torch.cumsum(counts, 0).to(torch.int32)  # Inductor widens an int32 cumsum to int64
     return grouped_mm(F.silu(grouped_mm(x, w1, offs)) * grouped_mm(x, w3, offs), w2, offs)
 
 
