@@ -242,7 +242,11 @@ def simple_fsdp(
         if module in routed:
             fsdp_dim = routed[module]
             gather = param_gather(
-                layout.experts_gather_steps(fsdp_dim), *dtypes, kept_split=((0, ep),), grad_scale=1.0 / ep
+                layout.experts_gather_steps(fsdp_dim),
+                *dtypes,
+                kept_split=((0, ep),),
+                reduce_op="sum",
+                grad_divisor=float(layout.dp_degree),
             )
             shard = lambda p: _shard_expert_parameter(p, layout.experts, fsdp_dim, device)
             module.expert_parallel = ExpertParallel(layout.experts.ep_mesh, module.num_experts)

@@ -59,8 +59,11 @@ class ParamGather:
     reshard_after_forward: bool
     # (tensor dim, degree) that mesh dims outside ``steps`` keep split (experts over ep)
     kept_split: tuple[tuple[int, int], ...] = ()
-    # extra gradient factor: experts sum the contributions of all ep ranks' tokens
-    grad_scale: float = 1.0
+    # how gradients are reduced: "avg" over the steps' ranks, or "sum" and then divided by
+    # ``grad_divisor`` (experts: their gradient already sums the tokens of every ep rank, so
+    # they divide by the whole dp degree, as FSDP2's gradient_divide_factor does)
+    reduce_op: str = "avg"
+    grad_divisor: float = 1.0
 
     @property
     def gathers(self) -> bool:
@@ -72,6 +75,8 @@ class ParamGather:
         reduce_dtype = self.reduce_dtype or self.param_dtype
         cast_early = reduce_dtype == self.param_dtype
         local = param.to_local()
+        if self.grad_divisor != 1.0:
+            local = _DivideGrad.apply(local, self.grad_divisor)
         last = len(self.steps) - 1
         for i, (mesh, placement) in enumerate(self.steps):
             shape, stride = self._gathered_shape_and_stride(local, placement, param)
@@ -82,12 +87,10 @@ class ParamGather:
                     forward_dtype=self.param_dtype if (cast_early or i == last) else None,
                     backward_dtype=reduce_dtype,
                 )
-                .to_local(grad_placements=(Partial("avg"),))
+                .to_local(grad_placements=(Partial(self.reduce_op),))
             )
         if not self.steps and self.param_dtype is not None:  # one rank: nothing to gather
             local = local.to(self.param_dtype)
-        if self.grad_scale != 1.0:
-            local = _ScaleGrad.apply(local, self.grad_scale)
         return local
 
     def _gathered_shape_and_stride(self, local, placement, param):
@@ -108,15 +111,17 @@ class ParamGather:
         return eager_reshard.gather_for_recompute(self.gather, param)
 
 
-class _ScaleGrad(torch.autograd.Function):
+class _DivideGrad(torch.autograd.Function):
+    """Identity forward; divides the (already reduced) gradient in backward."""
+
     @staticmethod
-    def forward(ctx, x, scale):
-        ctx.scale = scale
+    def forward(ctx, x, divisor):
+        ctx.divisor = divisor
         return x.view_as(x)
 
     @staticmethod
     def backward(ctx, grad):
-        return grad * ctx.scale, None
+        return grad / ctx.divisor, None
 
 
 param_gather = functools.cache(ParamGather)

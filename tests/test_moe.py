@@ -55,6 +55,18 @@ def test_expert_parallel_matches_single_process(run, references):
     assert losses[-1] < 0.7 * losses[0]
 
 
+@pytest.mark.parametrize("run", [r for r in RUNS if not RUNS[r][3]])
+def test_expert_parallel_matches_fsdp2_bitwise(run):
+    results = T.launch_once(_body, 4)
+    losses, state = results[run]
+    fsdp2_losses, fsdp2_state = results[f"fsdp2/{run}"]
+    # FSDP2's experts hold rank 0's ep slice: compare those rows of ours
+    ours = {k: v[: fsdp2_state[k].shape[0]] for k, v in state.items()}
+    T.report(f"{run} vs fsdp2", losses, fsdp2_losses, ours, fsdp2_state)
+    assert losses == fsdp2_losses
+    assert all(torch.equal(ours[k], fsdp2_state[k]) for k in ours)
+
+
 def _moe_layer_graphs():
     """Forward and backward graph lines of one compiled MoE layer under FSDP4 x EP2.
 
@@ -72,16 +84,30 @@ def _moe_layer_graphs():
     return graphs
 
 
+def _fsdp2_run(cfg, mesh):
+    """FSDP2 with EP: losses, and its ep rank's experts / dense parameters as full tensors."""
+    import torch.distributed as dist
+
+    from simplefsdp.fsdp2_baseline import fsdp2
+
+    model = fsdp2(T.build_model(CONFIGS[cfg]), mesh, ep=2)
+    losses = T.train(model, T.batches(CONFIGS[cfg]), dp_rank=dist.get_rank(), dp_size=dist.get_world_size())
+    return losses, T.full_state(model)
+
+
 def _body():
     import torch.distributed as dist
 
     out = {"graphs": _moe_layer_graphs()}
     for name, (cfg, shape, names, compiled) in RUNS.items():
         torch._dynamo.reset()
-        model = simple_fsdp(T.build_model(CONFIGS[cfg]), init_device_mesh("cpu", shape, mesh_dim_names=names), ep=2)
+        mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
+        model = simple_fsdp(T.build_model(CONFIGS[cfg]), mesh, ep=2)
         runner = torch.compile(model, fullgraph=True) if compiled else model
         losses = T.train(runner, T.batches(CONFIGS[cfg]), dp_rank=dist.get_rank(), dp_size=dist.get_world_size())
         out[name] = losses, T.full_state(model)
+        if not compiled:
+            out[f"fsdp2/{name}"] = _fsdp2_run(cfg, init_device_mesh("cpu", shape, mesh_dim_names=names))
     return out
 
 
@@ -101,7 +127,9 @@ def test_moe_layer_graph_uses_each_mesh():
         "all_gather_into_tensor[dp_shard] float32",
     ]
     reductions = sorted(line for line in backward if "avg" in line)
-    assert reductions == ["reduce_scatter_tensor[dp_shard] avg float32"] * 4 + ["reduce_scatter_tensor[edp] avg float32"] * 3
+    assert reductions == ["reduce_scatter_tensor[dp_shard] avg float32"] * 4
+    sums = [line for line in backward if " sum " in line]
+    assert sums == ["reduce_scatter_tensor[edp] sum float32"] * 3
     # the counts exchange runs once, in forward; backward only moves gradients of token rows
     assert [line for line in backward if "all_to_all" in line] == ["all_to_all_single[ep] float32"] * 2
 
