@@ -14,6 +14,7 @@ import torch
 from torch.distributed.device_mesh import init_device_mesh
 
 from simplefsdp import simple_fsdp
+from simplefsdp.activation_checkpoint import apply_activation_checkpointing
 from simplefsdp.models.moe import MoEConfig
 from tests import training as T
 from tests.graphs import captured_graphs
@@ -29,11 +30,13 @@ LOSS_ATOL = 1e-5
 # (dense layer 0's MLP sees the largest) into parameter differences far above the loss's
 PARAM_ATOL = 2e-3
 
-RUNS = {  # name -> (config, mesh shape, dim names, compiled)
-    "fsdp4xep2/eager": ("moe", (4,), ("dp_shard",), False),
-    "fsdp4xep2/few_experts/eager": ("moe_few_experts", (4,), ("dp_shard",), False),
-    "hsdp2x2xep2/eager": ("moe", (2, 2), ("dp_replicate", "dp_shard"), False),
-    "fsdp4xep2/compiled": ("moe", (4,), ("dp_shard",), True),
+RUNS = {  # name -> (config, mesh shape, dim names, compiled, activation checkpointing)
+    "fsdp4xep2/eager": ("moe", (4,), ("dp_shard",), False, None),
+    "fsdp4xep2/few_experts/eager": ("moe_few_experts", (4,), ("dp_shard",), False, None),
+    "hsdp2x2xep2/eager": ("moe", (2, 2), ("dp_replicate", "dp_shard"), False, None),
+    "fsdp4xep2/ac_full/eager": ("moe", (4,), ("dp_shard",), False, "full"),
+    "fsdp4xep2/ac_selective/eager": ("moe", (4,), ("dp_shard",), False, "selective"),
+    "fsdp4xep2/compiled": ("moe", (4,), ("dp_shard",), True, None),
 }
 
 
@@ -55,7 +58,7 @@ def test_expert_parallel_matches_single_process(run, references):
     assert losses[-1] < 0.7 * losses[0]
 
 
-@pytest.mark.parametrize("run", [r for r in RUNS if not RUNS[r][3]])
+@pytest.mark.parametrize("run", [r for r, spec in RUNS.items() if not spec[3] and spec[4] is None])
 def test_expert_parallel_matches_fsdp2_bitwise(run):
     results = T.launch_once(_body, 4)
     losses, state = results[run]
@@ -99,14 +102,17 @@ def _body():
     import torch.distributed as dist
 
     out = {"graphs": _moe_layer_graphs()}
-    for name, (cfg, shape, names, compiled) in RUNS.items():
+    for name, (cfg, shape, names, compiled, ac) in RUNS.items():
         torch._dynamo.reset()
         mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
-        model = simple_fsdp(T.build_model(CONFIGS[cfg]), mesh, ep=2)
+        model = T.build_model(CONFIGS[cfg])
+        if ac is not None:
+            model = apply_activation_checkpointing(model, ac)
+        model = simple_fsdp(model, mesh, ep=2)
         runner = torch.compile(model, fullgraph=True) if compiled else model
         losses = T.train(runner, T.batches(CONFIGS[cfg]), dp_rank=dist.get_rank(), dp_size=dist.get_world_size())
         out[name] = losses, T.full_state(model)
-        if not compiled:
+        if not compiled and ac is None:
             out[f"fsdp2/{name}"] = _fsdp2_run(cfg, init_device_mesh("cpu", shape, mesh_dim_names=names))
     return out
 

@@ -1,0 +1,51 @@
+"""Activation checkpointing per transformer block: ``full`` or ``selective``.
+
+``full`` recomputes a block's forward in backward; ``selective`` keeps the outputs of matmuls,
+grouped matmuls and attention and recomputes the cheap elementwise work. Either way,
+communication is never replayed: the expert all-to-alls and their waits are saved, so the
+token counts (and with them the all-to-all split sizes) that backward sees are the ones forward
+used, and the re-gathering of parameters stays with SimpleFSDP's own policy.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn as nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+_COMPUTE_TO_SAVE = {
+    torch.ops.aten.mm.default,
+    torch.ops.aten.addmm.default,
+    torch.ops.aten.bmm.default,
+    torch.ops.aten._scaled_dot_product_flash_attention.default,
+    torch.ops.aten._scaled_dot_product_efficient_attention.default,
+    torch.ops.aten._scaled_dot_product_cudnn_attention.default,
+}
+if hasattr(torch.ops.aten, "_grouped_mm"):
+    _COMPUTE_TO_SAVE.add(torch.ops.aten._grouped_mm.default)
+_COMM_TO_SAVE = {torch.ops._c10d_functional.all_to_all_single.default}
+
+MODES = ("full", "selective")
+
+
+def _policy(save: frozenset, ctx, func, *args, **kwargs) -> CheckpointPolicy:
+    return CheckpointPolicy.MUST_SAVE if func in save else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _context_fn(mode: str):
+    save = _COMM_TO_SAVE | (_COMPUTE_TO_SAVE if mode == "selective" else set())
+    return create_selective_checkpoint_contexts(functools.partial(_policy, frozenset(save)))
+
+
+def apply_activation_checkpointing(model: nn.Module, mode: str = "full") -> nn.Module:
+    """Wrap every block of ``model.layers`` in a checkpoint (in place; returns ``model``)."""
+    if mode not in MODES:
+        raise ValueError(f"activation checkpointing mode must be one of {MODES}; got {mode!r}")
+    for i, block in enumerate(model.layers):
+        model.layers[i] = checkpoint_wrapper(
+            block, context_fn=functools.partial(_context_fn, mode), preserve_rng_state=False
+        )
+    return model
