@@ -1,6 +1,7 @@
 """Eager-mode ``reshard_after_forward``: do not keep gathered parameters alive until backward.
 
-Autograd saves the gathered weight (or a view of it, such as ``weight.t()``) for backward. While a
+Autograd saves the gathered weight (or a view of it, such as ``weight.t()``, or under tensor
+parallelism a DTensor around it) for backward. While a
 wrapped model runs forward, :func:`resharding_saved_tensors` packs every saved tensor that shares
 storage with a gathered parameter as a small recipe (the shard, the gather and the view's
 geometry); backward unpacks the recipe by gathering again. Gathered tensors are tracked by weak
@@ -20,6 +21,7 @@ from typing import Callable
 
 import torch
 from torch.distributed._functional_collectives import AsyncCollectiveTensor
+from torch.distributed.tensor import DTensor
 
 _state = threading.local()
 
@@ -43,12 +45,14 @@ class _Regather:
     size: torch.Size
     stride: tuple[int, ...]
     offset: int
+    dtensor_spec: tuple | None  # (mesh, placements, shape, stride) of a saved tensor-parallel view
 
 
-def _storage_key(t: torch.Tensor) -> int | None:
-    if type(t) is not torch.Tensor:  # subclasses (DTensor activations) are saved as they are
-        return None
-    return t.untyped_storage().data_ptr()
+def _local(t: torch.Tensor) -> torch.Tensor | None:
+    """The plain tensor holding ``t``'s data (a DTensor's local tensor), or None for other subclasses."""
+    if isinstance(t, DTensor):
+        t = t._local_tensor
+    return t if type(t) is torch.Tensor else None
 
 
 def gather_for_recompute(
@@ -63,14 +67,16 @@ def gather_for_recompute(
 
 
 def _pack(t: torch.Tensor):
-    entry = _state.gathered.get(_storage_key(t))
+    local = _local(t)
+    entry = None if local is None else _state.gathered.get(local.untyped_storage().data_ptr())
     if entry is None:
         return t
     ref, gather, param = entry
     gathered = ref()
-    if gathered is None or gathered.dtype != t.dtype:
+    if gathered is None or gathered.dtype != local.dtype:
         return t
-    return _Regather(gather, param, t.size(), t.stride(), t.storage_offset())
+    spec = (t.device_mesh, t.placements, t.shape, t.stride()) if isinstance(t, DTensor) else None
+    return _Regather(gather, param, local.size(), local.stride(), local.storage_offset(), spec)
 
 
 def _unpack(packed):
@@ -78,7 +84,11 @@ def _unpack(packed):
         return packed
     with torch.no_grad():
         full = _WaitForCollective.apply(packed.gather(packed.param))
-    return full.as_strided(packed.size, packed.stride, packed.offset)
+    local = full.as_strided(packed.size, packed.stride, packed.offset)
+    if packed.dtensor_spec is None:
+        return local
+    mesh, placements, shape, stride = packed.dtensor_spec
+    return DTensor.from_local(local, mesh, placements, run_check=False, shape=shape, stride=stride)
 
 
 @contextlib.contextmanager

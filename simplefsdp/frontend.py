@@ -60,10 +60,21 @@ def _check_model(model: nn.Module) -> None:
             raise ValueError(f"module {name or '<root>'!r} is already wrapped by simple_fsdp")
         if isinstance(module, FSDPModule):
             raise ValueError(f"module {name or '<root>'!r} is already wrapped by fully_shard")
+
+
+def _check_tp_parameters(model: nn.Module, layout: DataParallelLayout) -> None:
+    """DTensor parameters must come from tensor parallelism on the mesh's ``tp`` dim."""
     for name, param in model.named_parameters():
-        if isinstance(param, DTensor):
+        if not isinstance(param, DTensor):
+            continue
+        if layout.tp_mesh is None:
             raise ValueError(
-                f"parameter {name!r} is already a DTensor; simple_fsdp shards plain parameters"
+                f"parameter {name!r} is already a DTensor; without a 'tp' mesh dim simple_fsdp "
+                "shards plain parameters only"
+            )
+        if param.device_mesh != layout.tp_mesh:
+            raise ValueError(
+                f"parameter {name!r} is a DTensor on {param.device_mesh}, not on the mesh's 'tp' dim"
             )
 
 
@@ -119,6 +130,27 @@ def _shard_parameter(param: nn.Parameter, layout: DataParallelLayout, device: to
     return nn.Parameter(dtensor, requires_grad=param.requires_grad)
 
 
+def _shard_tp_parameter(param: nn.Parameter, layout: DataParallelLayout) -> nn.Parameter:
+    """A TP DTensor re-homed on ``[dp..., tp]``: dp shards dim 0 of the tp-local tensor.
+
+    When tp already shards dim 0, dp's shard of it is a strided shard of the full tensor.
+    """
+    tp_placement = param.placements[0]
+    local = param.to_local().detach()
+    for dim_mesh, placement in zip(layout.dim_meshes, layout.shard):
+        if isinstance(placement, Shard):
+            local = local.chunk(dim_mesh.size(), 0)[dim_mesh.get_local_rank()]
+    dp = tuple(
+        _StridedShard(0, split_factor=layout.tp_mesh.size()) if isinstance(p, Shard) and tp_placement.is_shard(0) else p
+        for p in layout.shard
+    )
+    dtensor = DTensor.from_local(
+        local.contiguous(), layout.mesh, dp + (tp_placement,), run_check=False,
+        shape=param.shape, stride=param.stride(),
+    )
+    return nn.Parameter(dtensor, requires_grad=param.requires_grad)
+
+
 def _expert_fsdp_dim(experts: ExpertLayout, num_experts: int) -> int:
     """FSDP shards the expert dim over edp, or dim 1 when edp ranks outnumber the local experts."""
     return 0 if experts.edp * experts.ep <= num_experts else 1
@@ -162,6 +194,13 @@ def _routed_experts(model: nn.Module, layout: DataParallelLayout, ep: int) -> di
             "(modules with `num_experts` and an `expert_parallel` attribute)"
         )
     return found
+
+
+def _tp_gather(param: DTensor, layout: DataParallelLayout, dtypes) -> ParamGather:
+    """Gather over the dp dims only and hand compute a DTensor on the tp mesh."""
+    tp_placement = param.placements[0]
+    kept = ((tp_placement.dim, layout.tp_mesh.size()),) if isinstance(tp_placement, Shard) else ()
+    return param_gather(layout.gather_steps, *dtypes, kept_split=kept, tp=(layout.tp_mesh, param.placements))
 
 
 def _install_root_hooks(
@@ -227,6 +266,7 @@ def simple_fsdp(
     if not isinstance(ep, int) or ep < 1:
         raise ValueError(f"ep must be a positive int; got {ep!r}")
     layout = resolve_layout(mesh, mode, ep)
+    _check_tp_parameters(model, layout)
     mp_policy = _check_mp_policy(mp_policy)
     routed = _routed_experts(model, layout, ep)
     device = _mesh_device(layout)
@@ -250,14 +290,19 @@ def simple_fsdp(
             )
             shard = lambda p: _shard_expert_parameter(p, layout.experts, fsdp_dim, device)
             module.expert_parallel = ExpertParallel(layout.experts.ep_mesh, module.num_experts)
-        else:
-            gather, shard = dense_gather, lambda p: _shard_parameter(p, layout, device)
+        gathers = {}
         for name in names:
             param = module._parameters[name]
+            if module in routed:
+                gathers[name] = gather
+            elif isinstance(param, DTensor):
+                gathers[name], shard = _tp_gather(param, layout, dtypes), lambda p: _shard_tp_parameter(p, layout)
+            else:
+                gathers[name], shard = dense_gather, lambda p: _shard_parameter(p, layout, device)
             if id(param) not in sharded:
                 sharded[id(param)] = shard(param)
             module._parameters[name] = sharded[id(param)]
-        setattr(module, _GATHERS_ATTR, dict.fromkeys(names, gather))
+        setattr(module, _GATHERS_ATTR, gathers)
         _swap_class(module, names)
     if routed:  # dispatch split sizes become unbacked symbolic sizes, not graph breaks
         torch._dynamo.config.capture_scalar_outputs = True

@@ -59,6 +59,7 @@ class DataParallelLayout:
     """The data-parallel part of a mesh and the placements a parameter takes on it."""
 
     mode: str
+    mesh: DeviceMesh  # the whole mesh given to simple_fsdp
     dp_mesh: DeviceMesh
     dp_dims: tuple[str, ...]
     dim_meshes: tuple[DeviceMesh, ...]  # the 1-D mesh of each dp dim
@@ -171,7 +172,7 @@ def resolve_layout(mesh: DeviceMesh, mode: str | None, ep: int = 1) -> DataParal
         )
     experts = _expert_layout(mesh, names, ep) if ep > 1 else None
     if mesh.mesh_dim_names is None:
-        return DataParallelLayout(mode, mesh, dp_dims, (mesh,), None, experts)
+        return DataParallelLayout(mode, mesh, mesh, dp_dims, (mesh,), None, experts)
     dp_mesh = mesh[dp_dims] if len(dp_dims) > 1 else mesh[dp_dims[0]]
     tp_mesh = mesh[TP] if TP in names else None
-    return DataParallelLayout(mode, dp_mesh, dp_dims, tuple(mesh[d] for d in dp_dims), tp_mesh, experts)
+    return DataParallelLayout(mode, mesh, dp_mesh, dp_dims, tuple(mesh[d] for d in dp_dims), tp_mesh, experts)

@@ -64,6 +64,8 @@ class ParamGather:
     # they divide by the whole dp degree, as FSDP2's gradient_divide_factor does)
     reduce_op: str = "avg"
     grad_divisor: float = 1.0
+    # tensor parallel: the gathered tensor is handed on as a DTensor on this (mesh, placements)
+    tp: tuple[DeviceMesh, tuple[Placement, ...]] | None = None
 
     @property
     def gathers(self) -> bool:
@@ -71,7 +73,18 @@ class ParamGather:
         return any(isinstance(p, Shard) for _, p in self.steps)
 
     def gather(self, param: DTensor) -> torch.Tensor:
-        """All-gather ``param`` for compute; its gradient is averaged back onto the shard."""
+        """The tensor compute reads: gathered over dp, a DTensor on the tp mesh under TP."""
+        return self._for_compute(self.gather_local(param), param)
+
+    def _for_compute(self, local: torch.Tensor, param: DTensor) -> torch.Tensor:
+        if self.tp is None:
+            return local
+        tp_mesh, tp_placements = self.tp
+        stride = torch.empty(param.shape, device="meta").stride()
+        return DTensor.from_local(local, tp_mesh, tp_placements, run_check=False, shape=param.shape, stride=stride)
+
+    def gather_local(self, param: DTensor) -> torch.Tensor:
+        """All-gather ``param`` over the dp dims; its gradient is reduced back onto the shard."""
         reduce_dtype = self.reduce_dtype or self.param_dtype
         cast_early = reduce_dtype == self.param_dtype
         local = param.to_local()
@@ -108,7 +121,7 @@ class ParamGather:
             return checkpoint(
                 self.gather, param, use_reentrant=False, context_fn=_recompute_context
             )
-        return eager_reshard.gather_for_recompute(self.gather, param)
+        return self._for_compute(eager_reshard.gather_for_recompute(self.gather_local, param), param)
 
 
 class _DivideGrad(torch.autograd.Function):
