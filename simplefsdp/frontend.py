@@ -203,6 +203,23 @@ def _tp_gather(param: DTensor, layout: DataParallelLayout, dtypes) -> ParamGathe
     return param_gather(layout.gather_steps, *dtypes, kept_split=kept, tp=(layout.tp_mesh, param.placements))
 
 
+def _plan_parameter(param, expert_fsdp_dim: int | None, layout: DataParallelLayout, dtypes, device):
+    """How ``param`` is gathered for compute, and the function that shards it for storage."""
+    if expert_fsdp_dim is not None:
+        experts = layout.experts
+        gather = param_gather(
+            layout.experts_gather_steps(expert_fsdp_dim),
+            *dtypes,
+            kept_split=((0, experts.ep),),
+            reduce_op="sum",
+            grad_divisor=float(layout.dp_degree),
+        )
+        return gather, lambda p: _shard_expert_parameter(p, experts, expert_fsdp_dim, device)
+    if isinstance(param, DTensor):
+        return _tp_gather(param, layout, dtypes), lambda p: _shard_tp_parameter(p, layout)
+    return param_gather(layout.gather_steps, *dtypes), lambda p: _shard_parameter(p, layout, device)
+
+
 def _install_root_hooks(
     model: nn.Module, mp_policy: MixedPrecisionPolicy, reshard_after_forward: bool
 ) -> None:
@@ -273,32 +290,17 @@ def simple_fsdp(
     _materialize_meta(model, device)
 
     dtypes = (mp_policy.param_dtype, mp_policy.reduce_dtype, bool(reshard_after_forward))
-    dense_gather = param_gather(layout.gather_steps, *dtypes)
     sharded: dict[int, nn.Parameter] = {}  # tied parameters stay tied
     for module in list(model.modules()):
         names = tuple(n for n, p in module._parameters.items() if p is not None)
         if not names:
             continue
         if module in routed:
-            fsdp_dim = routed[module]
-            gather = param_gather(
-                layout.experts_gather_steps(fsdp_dim),
-                *dtypes,
-                kept_split=((0, ep),),
-                reduce_op="sum",
-                grad_divisor=float(layout.dp_degree),
-            )
-            shard = lambda p: _shard_expert_parameter(p, layout.experts, fsdp_dim, device)
             module.expert_parallel = ExpertParallel(layout.experts.ep_mesh, module.num_experts)
         gathers = {}
         for name in names:
             param = module._parameters[name]
-            if module in routed:
-                gathers[name] = gather
-            elif isinstance(param, DTensor):
-                gathers[name], shard = _tp_gather(param, layout, dtypes), lambda p: _shard_tp_parameter(p, layout)
-            else:
-                gathers[name], shard = dense_gather, lambda p: _shard_parameter(p, layout, device)
+            gathers[name], shard = _plan_parameter(param, routed.get(module), layout, dtypes, device)
             if id(param) not in sharded:
                 sharded[id(param)] = shard(param)
             module._parameters[name] = sharded[id(param)]
