@@ -10,6 +10,10 @@ for rank ``j`` are one contiguous block. :class:`ExpertParallel`:
    local experts, restores the order;
 4. combines: the reverse all-to-all sends the outputs home.
 
+With tensor parallelism the ep ranks include tp ranks, which hold the same tokens: each tp rank
+first takes its share of the sorted rows (a local slice, no communication), dispatches only
+those, and the combined rows are all-gathered over tp again.
+
 The split sizes are read to the host (``tolist``); under torch.compile they become unbacked
 symbolic sizes (``capture_scalar_outputs``, which ``simple_fsdp`` turns on when ``ep > 1``), so
 dispatch and combine trace into one graph with the experts, without module state.
@@ -22,6 +26,7 @@ from typing import Callable
 import torch
 import torch.distributed._functional_collectives as funcol
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 
 def is_routed_experts(module: torch.nn.Module) -> bool:
@@ -32,10 +37,36 @@ def is_routed_experts(module: torch.nn.Module) -> bool:
 class ExpertParallel:
     """Token dispatch and combine over one ``ep`` mesh dim (set on a routed-experts module)."""
 
-    def __init__(self, ep_mesh: DeviceMesh, num_experts: int):
+    def __init__(self, ep_mesh: DeviceMesh, num_experts: int, tp_mesh: DeviceMesh | None = None):
         self.ep_mesh = ep_mesh
+        self.tp_mesh = tp_mesh
+        self.num_experts = num_experts
         self.degree = ep_mesh.size()
         self.local_experts = num_experts // self.degree
+
+    def _tp_share(self, x: torch.Tensor, counts: torch.Tensor):
+        """This tp rank's slice of the rows (sorted by expert) and its tokens per expert."""
+        experts_of_rows = torch.repeat_interleave(
+            torch.arange(self.num_experts, device=x.device), counts, output_size=x.shape[0]
+        )
+        share = lambda t: (
+            DTensor.from_local(t, self.tp_mesh, (Replicate(),), run_check=False)
+            .redistribute(self.tp_mesh, (Shard(0),))
+            .to_local()
+        )
+        mine = share(experts_of_rows)
+        local_counts = torch.zeros_like(counts).scatter_add(0, mine, torch.ones_like(mine, dtype=counts.dtype))
+        return share(x), local_counts
+
+    def _tp_gather(self, out: torch.Tensor, rows: int) -> torch.Tensor:
+        """All-gather the tp ranks' rows; backward keeps each rank's own slice of the gradient."""
+        shape = (rows, *out.shape[1:])
+        stride = torch.empty(shape, device="meta").stride()
+        return (
+            DTensor.from_local(out, self.tp_mesh, (Shard(0),), run_check=False, shape=shape, stride=stride)
+            .redistribute(self.tp_mesh, (Replicate(),))
+            .to_local()
+        )
 
     def __call__(
         self,
@@ -43,6 +74,9 @@ class ExpertParallel:
         x: torch.Tensor,
         counts: torch.Tensor,
     ) -> torch.Tensor:
+        rows = x.shape[0]
+        if self.tp_mesh is not None:
+            x, counts = self._tp_share(x, counts)
         ranks, experts = self.degree, self.local_experts
         group = self.ep_mesh.get_group()
         # recv_counts[i, e]: rows that rank i sends to local expert e here
@@ -60,4 +94,5 @@ class ExpertParallel:
         order = torch.argsort(expert_of_row, stable=True)
         out = local_experts(received[order], recv_counts.sum(0))
         out = torch.empty_like(out).index_copy(0, order, out)
-        return funcol.all_to_all_single_autograd(out, send_splits, recv_splits, group)
+        out = funcol.all_to_all_single_autograd(out, send_splits, recv_splits, group)
+        return out if self.tp_mesh is None else self._tp_gather(out, rows)

@@ -164,7 +164,7 @@ def _shard_expert_parameter(
     local = full.chunk(experts.ep, 0)[experts.ep_mesh.get_local_rank()]
     local = local.chunk(experts.edp, fsdp_dim)[experts.edp_mesh.get_local_rank()].contiguous()
     edp = _StridedShard(0, split_factor=experts.ep) if fsdp_dim == 0 else Shard(fsdp_dim)
-    placements = ((Replicate(),) if experts.replicate_mesh is not None else ()) + (edp, Shard(0))
+    placements = (Replicate(),) * (experts.mesh.ndim - 2) + (edp, Shard(0))
     dtensor = DTensor.from_local(
         local, experts.mesh, placements, run_check=False, shape=full.shape, stride=full.stride()
     )
@@ -296,7 +296,8 @@ def simple_fsdp(
         if not names:
             continue
         if module in routed:
-            module.expert_parallel = ExpertParallel(layout.experts.ep_mesh, module.num_experts)
+            experts = layout.experts
+            module.expert_parallel = ExpertParallel(experts.ep_mesh, module.num_experts, experts.tp_mesh)
         gathers = {}
         for name in names:
             param = module._parameters[name]

@@ -38,12 +38,18 @@ MODE_DIMS = {
 
 @dataclass(frozen=True)
 class ExpertLayout:
-    """The sparse mesh of routed experts: ``[dp_replicate,] edp, ep``."""
+    """The sparse mesh of routed experts: ``[dp_replicate,] edp, ep``.
+
+    Without tp, ``mesh`` holds all three dims. With tp, ``edp x ep`` splits the ranks of
+    ``dp_shard x tp`` (ep borrows tp ranks), ``mesh`` is that 2-D ``edp, ep`` mesh, and
+    ``tp_mesh`` is set: ranks of one tp group hold the same tokens and split them for dispatch.
+    """
 
     mesh: DeviceMesh
     replicate_mesh: DeviceMesh | None
     edp_mesh: DeviceMesh
     ep_mesh: DeviceMesh
+    tp_mesh: DeviceMesh | None = None
 
     @property
     def ep(self) -> int:
@@ -137,19 +143,24 @@ def _unflatten(mesh: DeviceMesh, dim: int, sizes: tuple[int, ...], names: tuple[
 
 
 def _expert_layout(mesh: DeviceMesh, dims: tuple[str, ...], ep: int) -> ExpertLayout:
-    if TP in dims:
-        raise ValueError("ep > 1 together with a tp mesh dim is not supported yet")
     if DP_SHARD not in dims:
         raise ValueError(f"ep={ep} needs a {DP_SHARD!r} mesh dim to split into edp x ep; the mesh has {dims}")
-    shard_dim = dims.index(DP_SHARD)
-    degree = mesh.size(shard_dim)
+    split = (DP_SHARD, TP) if TP in dims else (DP_SHARD,)
+    degree = 1
+    for d in split:
+        degree *= mesh.size(dims.index(d))
+    what = " x ".join(split)
     if ep > degree:
-        raise ValueError(f"the mesh has no room for ep={ep}: the {DP_SHARD} degree is {degree}")
+        raise ValueError(f"the mesh has no room for ep={ep}: the {what} degree is {degree}")
     if degree % ep:
-        raise ValueError(f"ep={ep} does not divide the {DP_SHARD} degree {degree}")
-    sparse = _unflatten(mesh, shard_dim, (degree // ep, ep), ("edp", "ep"))
-    replicate = sparse[DP_REPLICATE] if DP_REPLICATE in dims else None
-    return ExpertLayout(sparse, replicate, sparse["edp"], sparse["ep"])
+        raise ValueError(f"ep={ep} does not divide the {what} degree {degree}")
+    replicate = mesh[DP_REPLICATE] if DP_REPLICATE in dims else None
+    if TP not in dims:
+        sparse = _unflatten(mesh, dims.index(DP_SHARD), (degree // ep, ep), ("edp", "ep"))
+        return ExpertLayout(sparse, replicate, sparse["edp"], sparse["ep"])
+    flat = mesh[split]._flatten("dp_shard_tp")
+    sparse = _unflatten(flat, 0, (degree // ep, ep), ("edp", "ep"))
+    return ExpertLayout(sparse, replicate, sparse["edp"], sparse["ep"], mesh[TP])
 
 
 def resolve_layout(mesh: DeviceMesh, mode: str | None, ep: int = 1) -> DataParallelLayout:

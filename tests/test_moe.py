@@ -1,8 +1,9 @@
 """Mixture of experts with expert parallelism: parity on CPU ranks, graph structure, errors.
 
-FSDP x EP on 4 gloo ranks (``dp_shard=4`` split into ``edp=2 x ep=2``) trains like one process on
-the same global batch, eager and compiled with ``fullgraph=True`` (no graph break: the
-all-to-all split sizes are traced as unbacked sizes).
+On 4 gloo ranks, FSDP x EP (``dp_shard=4`` split into ``edp=2 x ep=2``), HSDP x EP, FSDP x TP x EP
+and HSDP x TP x EP train like one process on the same global batch, eager and compiled with
+``fullgraph=True`` (no graph break: the all-to-all split sizes are traced as unbacked sizes);
+without TP they also match FSDP2 bitwise.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from simplefsdp import simple_fsdp
 from simplefsdp.activation_checkpoint import apply_activation_checkpointing
+from simplefsdp.models.parallelize import apply_tensor_parallel
 from simplefsdp.models.moe import MoEConfig
 from tests import training as T
 from tests.graphs import captured_graphs
@@ -36,7 +38,10 @@ RUNS = {  # name -> (config, mesh shape, dim names, compiled, activation checkpo
     "hsdp2x2xep2/eager": ("moe", (2, 2), ("dp_replicate", "dp_shard"), False, None),
     "fsdp4xep2/ac_full/eager": ("moe", (4,), ("dp_shard",), False, "full"),
     "fsdp4xep2/ac_selective/eager": ("moe", (4,), ("dp_shard",), False, "selective"),
+    "fsdp2xtp2xep2/eager": ("moe", (2, 2), ("dp_shard", "tp"), False, None),
+    "hsdp2x1xtp2xep2/eager": ("moe", (2, 1, 2), ("dp_replicate", "dp_shard", "tp"), False, None),
     "fsdp4xep2/compiled": ("moe", (4,), ("dp_shard",), True, None),
+    "fsdp2xtp2xep2/compiled": ("moe", (2, 2), ("dp_shard", "tp"), True, None),
 }
 
 
@@ -58,7 +63,7 @@ def test_expert_parallel_matches_single_process(run, references):
     assert losses[-1] < 0.7 * losses[0]
 
 
-@pytest.mark.parametrize("run", [r for r, spec in RUNS.items() if not spec[3] and spec[4] is None])
+@pytest.mark.parametrize("run", [r for r, (_, _, names, compiled, ac) in RUNS.items() if not compiled and ac is None and "tp" not in names])
 def test_expert_parallel_matches_fsdp2_bitwise(run):
     results = T.launch_once(_body, 4)
     losses, state = results[run]
@@ -106,13 +111,18 @@ def _body():
         torch._dynamo.reset()
         mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
         model = T.build_model(CONFIGS[cfg])
+        tp = mesh["tp"].size() if "tp" in names else 1
+        if tp > 1:
+            model = apply_tensor_parallel(model, mesh["tp"])
         if ac is not None:
             model = apply_activation_checkpointing(model, ac)
         model = simple_fsdp(model, mesh, ep=2)
         runner = torch.compile(model, fullgraph=True) if compiled else model
-        losses = T.train(runner, T.batches(CONFIGS[cfg]), dp_rank=dist.get_rank(), dp_size=dist.get_world_size())
+        # tp is the inner-most dim: ranks of one tp group share a data-parallel slice
+        dp_rank, dp_size = dist.get_rank() // tp, dist.get_world_size() // tp
+        losses = T.train(runner, T.batches(CONFIGS[cfg]), dp_rank=dp_rank, dp_size=dp_size)
         out[name] = losses, T.full_state(model)
-        if not compiled and ac is None:
+        if not compiled and ac is None and tp == 1:
             out[f"fsdp2/{name}"] = _fsdp2_run(cfg, init_device_mesh("cpu", shape, mesh_dim_names=names))
     return out
 
@@ -162,5 +172,5 @@ def test_ep_without_experts(fake_world):
     _expect_error(r"ep=2 but the model has no routed experts", cfg=T.CFG)
 
 
-def test_ep_with_tp_not_supported_yet(fake_world):
-    _expect_error(r"ep > 1 together with a tp mesh dim is not supported yet", mesh_shape=(4, 2), names=("dp_shard", "tp"))
+def test_ep_must_divide_dp_shard_times_tp(fake_world):
+    _expect_error(r"ep=3 does not divide the dp_shard x tp degree 8", ep=3, mesh_shape=(4, 2), names=("dp_shard", "tp"))
