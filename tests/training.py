@@ -55,10 +55,18 @@ _launches: dict = {}
 
 
 def launch_once(fn, world: int, *args):
-    """Rank 0's result of ``fn(*args)`` on ``world`` ranks, run once per test session."""
+    """Rank 0's result of ``fn(*args)`` on ``world`` ranks, run once per test session.
+
+    A failed launch is remembered too: every test that reads it fails with the same error.
+    """
     key = (fn.__module__, fn.__name__, world, args)
     if key not in _launches:
-        _launches[key] = run_ranks(fn, world, *args)[0]
+        try:
+            _launches[key] = run_ranks(fn, world, *args)[0]
+        except Exception as e:
+            _launches[key] = e
+    if isinstance(_launches[key], Exception):
+        raise _launches[key]
     return _launches[key]
 
 
