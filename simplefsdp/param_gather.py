@@ -1,12 +1,13 @@
 """The parametrization behind every SimpleFSDP parameter: gather the shard for compute.
 
 A wrapped module stores each parameter as a sharded DTensor ``nn.Parameter`` and reads it through
-a :class:`ParamGather`. Reading redistributes the shard to ``Replicate`` on the data-parallel mesh
-(an all-gather for ``Shard``, nothing for ``Replicate``) and hands compute a plain local tensor
-whose gradient is declared ``Partial("avg")``. Autograd then turns that declaration back into the
-parameter's placement: a reduce-scatter over ``dp_shard`` and an all-reduce over ``dp_replicate``.
-Mixed precision rides on the same call: ``forward_dtype`` casts the shard before the all-gather,
-``backward_dtype`` casts the gradient before its reduction.
+a :class:`ParamGather`. Reading takes the local shard and, one data-parallel mesh dim at a time,
+wraps it as a DTensor on that dim's 1-D mesh and redistributes it to ``Replicate`` (an all-gather
+for ``Shard``, nothing for ``Replicate``), handing on a local tensor whose gradient is declared
+``Partial``. Autograd turns each declaration back into the placement: a reduce-scatter over
+``dp_shard``, then an all-reduce over ``dp_replicate``. Mixed precision rides on the same calls
+(``forward_dtype`` / ``backward_dtype``). Under tensor parallelism the result is handed to
+compute as a DTensor on the ``tp`` mesh; routed experts gather over ``edp`` only.
 
 With ``reshard_after_forward`` the gathered tensor must not live from forward to backward:
 
@@ -137,5 +138,6 @@ class _DivideGrad(torch.autograd.Function):
         return grad / ctx.divisor, None
 
 
+# one shared ParamGather per distinct configuration, so torch.compile sees few objects
 param_gather = functools.cache(ParamGather)
 """One shared :class:`ParamGather` per distinct configuration, so torch.compile sees few objects."""
