@@ -67,3 +67,11 @@ def test_single_rank_mesh_still_casts_to_param_dtype(fake_world):
     for m in (mesh, mesh["dp_shard"]):
         model = simple_fsdp(FeedForward(16, 32), m, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
         assert model.w1.weight.dtype == torch.bfloat16
+
+
+def test_gpu_moe_config_has_one_to_two_billion_parameters():
+    from simplefsdp.models.moe import MOE_CONFIGS, moe_transformer
+
+    with torch.device("meta"):
+        model = moe_transformer(MOE_CONFIGS["gpu"])
+    assert 1e9 < sum(p.numel() for p in model.parameters()) < 2e9

@@ -153,3 +153,12 @@ def _moe_or_dense_mlp(cfg: MoEConfig, layer_id: int) -> nn.Module:
 def moe_transformer(cfg: MoEConfig) -> Transformer:
     """Dense blocks first, then MoE blocks."""
     return Transformer(cfg, _moe_or_dense_mlp)
+
+
+# Named sizes: ``debug`` fits 4 CPU ranks; ``gpu`` (about 1.6B parameters) one H200 in bf16
+MOE_CONFIGS = {
+    "debug": MoEConfig(vocab_size=256, dim=64, n_layers=3, n_heads=4, n_kv_heads=2, ffn_dim=160,
+                       n_dense_layers=1, num_experts=8, top_k=2, expert_dim=32),
+    "gpu": MoEConfig(vocab_size=32000, dim=2048, n_layers=10, n_heads=16, n_kv_heads=16, ffn_dim=5632,
+                     n_dense_layers=1, num_experts=16, top_k=2, expert_dim=1408),
+}
