@@ -151,11 +151,6 @@ def _shard_tp_parameter(param: nn.Parameter, layout: DataParallelLayout) -> nn.P
     return nn.Parameter(dtensor, requires_grad=param.requires_grad)
 
 
-def _expert_fsdp_dim(experts: ExpertLayout, num_experts: int) -> int:
-    """FSDP shards the expert dim over edp, or dim 1 when edp ranks outnumber the local experts."""
-    return 0 if experts.edp * experts.ep <= num_experts else 1
-
-
 def _shard_expert_parameter(
     param: nn.Parameter, experts: ExpertLayout, fsdp_dim: int, device: torch.device
 ) -> nn.Parameter:
@@ -187,7 +182,7 @@ def _routed_experts(model: nn.Module, layout: DataParallelLayout, ep: int) -> di
                     f"{name}.{pname}: routed-expert parameters stack experts in dim 0 "
                     f"(expected {module.num_experts}, got shape {tuple(param.shape)})"
                 )
-        found[module] = _expert_fsdp_dim(layout.experts, module.num_experts)
+        found[module] = layout.experts.fsdp_dim(module.num_experts)
     if not found:
         raise ValueError(
             f"ep={ep} but the model has no routed experts "

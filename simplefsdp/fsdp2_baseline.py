@@ -15,7 +15,6 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import Shard
 
 from simplefsdp.expert_parallel import ExpertParallel, is_routed_experts
-from simplefsdp.frontend import _expert_fsdp_dim
 from simplefsdp.mesh_layout import DP_REPLICATE, resolve_layout
 
 
@@ -54,7 +53,7 @@ def fsdp2(
             if not is_routed_experts(module):
                 continue
             _keep_local_experts(module, experts.ep_mesh)
-            dim = _expert_fsdp_dim(experts, module.num_experts)
+            dim = experts.fsdp_dim(module.num_experts)
             fully_shard(module, mesh=expert_mesh, shard_placement_fn=lambda p, d=dim: Shard(d), **kwargs)
             module.set_gradient_divide_factor(float(layout.dp_degree))
             if hasattr(module, "set_force_sum_reduction_for_comms"):

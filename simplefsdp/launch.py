@@ -7,8 +7,9 @@ group, calls ``fn(*args)`` and returns the per-rank results in rank order. The f
 raises fails the test with that rank's traceback; the other ranks are killed at once (they would
 wait forever in a collective). A run past ``timeout`` seconds is killed and fails.
 
-Each rank compiles into its own Inductor cache dir (unless one is set) (torch 2.13 can load another sub-mesh group's
-artifacts from a shared one) and uses one thread, since the CI machine has two cores.
+Each rank compiles into its own Inductor cache dir, ``rank{N}`` under ``TORCHINDUCTOR_CACHE_DIR``
+or a fresh temporary dir (torch 2.13 can load another sub-mesh group's artifacts from a shared
+one), and uses one thread, since the CI machine has two cores.
 """
 
 from __future__ import annotations

@@ -59,6 +59,10 @@ class ExpertLayout:
     def edp(self) -> int:
         return self.edp_mesh.size()
 
+    def fsdp_dim(self, num_experts: int) -> int:
+        """FSDP shards the expert dim over edp, or dim 1 when edp ranks outnumber the local experts."""
+        return 0 if self.edp * self.ep <= num_experts else 1
+
 
 @dataclass(frozen=True)
 class DataParallelLayout:

@@ -59,16 +59,13 @@ def _run_fsdp2(mode, mixed=False):
     """FSDP2 ``fully_shard`` per block and at the root; replicate is HSDP with shard degree 1."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
+
+    from simplefsdp.fsdp2_baseline import fsdp2
 
     world = dist.get_world_size()
     shape = {"fully_shard": (world,), "replicate": (world, 1), "hybrid_shard": (2, world // 2)}[mode]
     names = ("dp_shard",) if len(shape) == 1 else ("dp_replicate", "dp_shard")
-    mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
-    model = T.build_model()
-    for block in model.layers:
-        fully_shard(block, mesh=mesh, mp_policy=_mp_policy(mixed))
-    fully_shard(model, mesh=mesh, mp_policy=_mp_policy(mixed))
+    model = fsdp2(T.build_model(), init_device_mesh("cpu", shape, mesh_dim_names=names), mp_policy=_mp_policy(mixed))
     losses = T.train(model, T.batches(), dp_rank=dist.get_rank(), dp_size=world)
     return losses, T.full_state(model)
 
