@@ -5,6 +5,13 @@ grouped matmuls and attention and recomputes the cheap elementwise work. Either 
 communication is never replayed: the expert all-to-alls and their waits are saved, so the
 token counts (and with them the all-to-all split sizes) that backward sees are the ones forward
 used, and the re-gathering of parameters stays with SimpleFSDP's own policy.
+
+Random ops (those tagged ``nondeterministic_seeded``: dropout, and attention, whose kernels take
+a dropout probability) are saved too, in both modes, so backward sees exactly forward's values
+without replaying RNG state. Under torch.compile this is also what makes checkpointed DTensor
+blocks compile on torch 2.13: there the partitioner's RNG replay of a recomputed random op puts
+its saved RNG state after the DeviceMesh objects that DTensor code saves for backward, and the
+mesh lands among the saved tensors (an AssertionError at the first step).
 """
 
 from __future__ import annotations
@@ -31,8 +38,14 @@ _COMM_TO_SAVE = {torch.ops._c10d_functional.all_to_all_single.default}
 MODES = ("full", "selective")
 
 
+def _is_random(func) -> bool:
+    return torch.Tag.nondeterministic_seeded in getattr(func, "tags", ())
+
+
 def _policy(save: frozenset, ctx, func, *args, **kwargs) -> CheckpointPolicy:
-    return CheckpointPolicy.MUST_SAVE if func in save else CheckpointPolicy.PREFER_RECOMPUTE
+    if func in save or _is_random(func):
+        return CheckpointPolicy.MUST_SAVE
+    return CheckpointPolicy.PREFER_RECOMPUTE
 
 
 def _context_fn(mode: str):

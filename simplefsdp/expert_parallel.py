@@ -58,8 +58,14 @@ class ExpertParallel:
         local_counts = torch.zeros_like(counts).scatter_add(0, mine, torch.ones_like(mine, dtype=counts.dtype))
         return share(x), local_counts
 
-    def _tp_gather(self, out: torch.Tensor, rows: int) -> torch.Tensor:
-        """All-gather the tp ranks' rows; backward keeps each rank's own slice of the gradient."""
+    def _tp_gather(self, out: torch.Tensor, share: int, rows: int) -> torch.Tensor:
+        """All-gather the tp ranks' rows; backward keeps each rank's own slice of the gradient.
+
+        ``out`` has the combine's data-dependent row count, which equals ``share`` (this rank's
+        static row count). An index copy gives it that static size first, so DTensor's chunking
+        in backward never guards on the unbacked size (torch 2.11 fails there otherwise).
+        """
+        out = out.index_select(0, torch.arange(share, device=out.device))
         shape = (rows, *out.shape[1:])
         stride = torch.empty(shape, device="meta").stride()
         return (
@@ -97,4 +103,4 @@ class ExpertParallel:
         out = funcol.all_to_all_single_autograd(out, send_splits, recv_splits, group)
         # every row sent comes back: tell the compiler the (unbacked) row count is the static one
         torch._check(out.shape[0] == x.shape[0])
-        return out if self.tp_mesh is None else self._tp_gather(out, rows)
+        return out if self.tp_mesh is None else self._tp_gather(out, x.shape[0], rows)

@@ -12,7 +12,8 @@ from __future__ import annotations
 import torch
 
 
-def _native_available(x: torch.Tensor, w: torch.Tensor) -> bool:
+def native_available(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """Whether :func:`grouped_mm` runs ``torch._grouped_mm`` for these operands."""
     return (
         hasattr(torch, "_grouped_mm")
         and x.is_cuda
@@ -31,7 +32,7 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Te
 
     Every row belongs to a group (``offs[-1] == rows``).
     """
-    if _native_available(x, w):
+    if native_available(x, w):
         return torch._grouped_mm(x, w, offs=offs)
     ids = group_ids(offs, x.shape[0]).clamp_(max=w.shape[0] - 1)
     return torch.bmm(x.unsqueeze(1), w[ids]).squeeze(1)

@@ -71,8 +71,9 @@ def _group_names(source) -> dict[str, str]:
         for module in source.modules():
             for gather in getattr(module, "_simplefsdp_gathers", {}).values():
                 meshes.extend(mesh for mesh, _ in gather.steps)
-            if getattr(module, "expert_parallel", None) is not None:
-                meshes.append(module.expert_parallel.ep_mesh)
+            dispatch = getattr(module, "expert_parallel", None)
+            if dispatch is not None:
+                meshes.extend(m for m in (dispatch.ep_mesh, dispatch.tp_mesh) if m is not None)
     else:
         meshes = [source[name] for name in source.mesh_dim_names] if source.mesh_dim_names else [source]
     return {m.get_group().group_name: (m.mesh_dim_names or ("dp",))[0] for m in meshes}

@@ -7,8 +7,9 @@ The first ``n_dense_layers`` blocks use a dense SwiGLU MLP; the rest use :class:
   chosen scores, normalized, weight the expert outputs. It also returns tokens per expert.
 * :class:`GroupedExperts`: the routed experts, stored stacked (``w1, w3: [E, dim, hidden]``,
   ``w2: [E, hidden, dim]``) and computed with one grouped matmul per projection over tokens
-  sorted by expert. With expert parallelism they exchange tokens with all-to-all
-  (:mod:`simplefsdp.expert_parallel`).
+  sorted by expert (each expert's rows padded to an aligned count where ``torch._grouped_mm``
+  runs, :mod:`simplefsdp.token_permute`). With expert parallelism they exchange tokens with
+  all-to-all (:mod:`simplefsdp.expert_parallel`).
 * shared experts: the same SwiGLU as a grouped matmul with a single group, on every token,
   replicated across expert-parallel ranks.
 """
@@ -22,8 +23,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from simplefsdp.expert_parallel import ExpertParallel
-from simplefsdp.grouped_mm import grouped_mm
+from simplefsdp.grouped_mm import grouped_mm, native_available
 from simplefsdp.models.llama import FeedForward, Transformer, TransformerConfig
+from simplefsdp.token_permute import aligned_groups
 
 
 @dataclass(frozen=True)
@@ -96,7 +98,14 @@ class GroupedExperts(nn.Module):
         _init_stacked(self.w1, self.w3, self.w2)
 
     def _local_experts(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        return grouped_swiglu(x, self.w1, self.w2, self.w3, counts)
+        w1, w2, w3 = self.w1, self.w2, self.w3  # each read gathers once
+
+        def swiglu(rows: torch.Tensor, group_counts: torch.Tensor) -> torch.Tensor:
+            return grouped_swiglu(rows, w1, w2, w3, group_counts)
+
+        if native_available(x, w1):  # grouped_mm kernels want groups on aligned rows
+            return aligned_groups(swiglu, x, counts)
+        return swiglu(x, counts)
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         if self.expert_parallel is None:

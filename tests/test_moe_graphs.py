@@ -1,0 +1,108 @@
+"""Graph structure of a compiled MoE layer at world size 8, in one process (fake process group).
+
+For each composition the forward and backward post-grad graphs list, in order, every collective
+(with its mesh dim) and every matmul; waits are left out to keep them short. Experts here run
+the CPU grouped-matmul reference (``bmm``); on CUDA in bf16 they are ``_grouped_mm``.
+
+The fake process group moves no data: an all-gather repeats the local shard, so every router
+score ties, and an all-to-all repeats the first rows it is given. A router bias on one expert
+per ep rank sends tokens to both ep ranks, so every all-to-all has rows to move.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import expecttest
+import pytest
+import torch
+from torch.distributed.device_mesh import init_device_mesh
+
+from simplefsdp import simple_fsdp
+from simplefsdp.activation_checkpoint import apply_activation_checkpointing
+from simplefsdp.models.moe import MOE_CONFIGS, MoE, moe_transformer
+from simplefsdp.models.llama import cross_entropy_loss
+from tests.graphs import captured_graphs
+
+CFG = MOE_CONFIGS["debug"]  # 8 experts
+
+
+def _spread_routing(model: torch.nn.Module, ep: int) -> None:
+    for module in model.modules():
+        if isinstance(module, MoE):
+            module.router.expert_bias[:: CFG.num_experts // ep] = 1.0
+
+
+def _moe_layer_graphs(shape, names, ep) -> tuple[str, str]:
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
+    moe = MoE(CFG)
+    _spread_routing(moe, max(ep, 2))
+    model = simple_fsdp(moe, mesh, ep=ep)
+    x = torch.randn(2, 16, CFG.dim, requires_grad=True)
+    with captured_graphs(model) as graphs:
+        torch.compile(model, fullgraph=True)(x).sum().backward()
+    forward, backward = ("\n".join(line for line in g if line != "wait_tensor") for g in graphs)
+    return forward, backward
+
+
+@pytest.fixture
+def tc(fake_world):
+    case = expecttest.TestCase()
+    case.maxDiff = None
+    return case
+
+
+def test_fsdp8(tc):
+    """No ep: the experts are FSDP-sharded on dp_shard like every other parameter."""
+    forward, backward = _moe_layer_graphs((8,), ("dp_shard",), 1)
+    tc.assertExpectedInline(forward, """""")
+    tc.assertExpectedInline(backward, """""")
+
+
+def test_fsdp4_ep2(tc):
+    forward, backward = _moe_layer_graphs((8,), ("dp_shard",), 2)
+    tc.assertExpectedInline(forward, """""")
+    tc.assertExpectedInline(backward, """""")
+
+
+def test_fsdp2_tp2_ep2(tc):
+    """ep borrows tp ranks: each tp rank dispatches its share of the rows, then tp all-gathers them."""
+    forward, backward = _moe_layer_graphs((4, 2), ("dp_shard", "tp"), 2)
+    tc.assertExpectedInline(forward, """""")
+    tc.assertExpectedInline(backward, """""")
+
+
+def test_hsdp2x2_tp2_ep2(tc):
+    """Gradients reduce-scatter within a replica, then all-reduce across dp_replicate."""
+    forward, backward = _moe_layer_graphs((2, 2, 2), ("dp_replicate", "dp_shard", "tp"), 2)
+    tc.assertExpectedInline(forward, """""")
+    tc.assertExpectedInline(backward, """""")
+
+
+@pytest.mark.parametrize("ac", ["full", "selective"])
+def test_checkpointed_moe_block_regathers_and_exchanges_counts_once(fake_world, ac):
+    """A checkpointed attention + MoE block compiles as one graph; backward re-gathers the
+    parameters (reshard_after_forward) and replays the token all-to-alls' gradients, never the
+    counts exchange."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    mesh = init_device_mesh("cpu", (8,), mesh_dim_names=("dp_shard",))
+    cfg = dataclasses.replace(CFG, n_layers=1, n_dense_layers=0)
+    model = moe_transformer(cfg)
+    _spread_routing(model, 2)
+    model = simple_fsdp(apply_activation_checkpointing(model, ac), mesh, ep=2)
+    tokens = torch.randint(0, cfg.vocab_size, (2, 16))
+    with captured_graphs(model) as graphs:
+        cross_entropy_loss(torch.compile(model, fullgraph=True)(tokens), tokens).backward()
+    forward, backward = graphs
+    count = lambda graph, prefix: sum(line.startswith(prefix) for line in graph)
+    assert count(forward, "all_to_all_single[ep] int32") == 1
+    assert count(backward, "all_to_all_single[ep] int32") == 0
+    assert count(forward, "all_to_all_single[ep] float32") == 2
+    assert count(backward, "all_to_all_single[ep] float32") == 2  # gradients of dispatch and combine
+    n_params = len(list(model.parameters()))
+    assert count(forward, "all_gather_into_tensor") == n_params
+    assert count(backward, "reduce_scatter_tensor") == n_params
+    assert count(backward, "all_gather_into_tensor[edp]") == 3  # routed experts w1, w3, w2
