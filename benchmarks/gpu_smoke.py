@@ -4,7 +4,9 @@ Checks that the frontend, the MoE model (``torch._grouped_mm`` path) and compila
 GPU's torch (2.11 on the lent H200), and prints one line per run: final loss, median step time.
 Not a benchmark of record (see the benchmarks issue); a compatibility check with figures.
 
-    python benchmarks/gpu_smoke.py [--steps N] [--out results.json]
+    python benchmarks/gpu_smoke.py [--models dense,moe,moe_gpu] [--steps N] [--out results.json]
+
+``moe_gpu`` is ``MOE_CONFIGS["gpu"]`` (about 1.7B parameters), ``dense``/``moe`` smaller models.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from simplefsdp import MixedPrecisionPolicy, simple_fsdp
 from simplefsdp.models.llama import Transformer, TransformerConfig
-from simplefsdp.models.moe import MoEConfig, moe_transformer
+from simplefsdp.models.moe import MOE_CONFIGS, MoEConfig, moe_transformer
 from simplefsdp.train import synthetic_batches, train_steps
 
 DENSE = TransformerConfig(vocab_size=32000, dim=1024, n_layers=4, n_heads=16, n_kv_heads=8, ffn_dim=2816)
@@ -29,6 +31,7 @@ MOE = MoEConfig(
     vocab_size=32000, dim=1024, n_layers=4, n_heads=16, n_kv_heads=8, ffn_dim=2816,
     n_dense_layers=1, num_experts=8, top_k=2, expert_dim=1408,
 )
+MODELS = {"dense": (Transformer, DENSE), "moe": (moe_transformer, MOE), "moe_gpu": (moe_transformer, MOE_CONFIGS["gpu"])}
 
 
 def run(name, build, cfg, compiled, steps):
@@ -60,6 +63,7 @@ def run(name, build, cfg, compiled, steps):
 
 def main():
     p = argparse.ArgumentParser()
+    p.add_argument("--models", default="dense,moe", help=f"comma-separated, from {sorted(MODELS)}")
     p.add_argument("--steps", type=int, default=12)
     p.add_argument("--out", default=None)
     args = p.parse_args()
@@ -68,14 +72,15 @@ def main():
     dist.init_process_group("nccl", rank=0, world_size=1)
     torch.cuda.set_device(0)
     rows = []
-    for name, build, cfg in (("dense", Transformer, DENSE), ("moe", moe_transformer, MOE)):
+    for name in args.models.split(","):
+        build, cfg = MODELS[name]
         for compiled in (False, True):
             rows.append(run(name, build, cfg, compiled, args.steps))
             print(rows[-1], flush=True)
     print(f"\ntorch {torch.__version__}, {torch.cuda.get_device_name()}")
-    print(f"{'run':6} {'mode':9} {'loss0':>7} {'lossN':>7} {'step1 s':>8} {'step ms':>8} {'tok/s':>9} {'peak GiB':>8}")
+    print(f"{'run':8} {'mode':9} {'loss0':>7} {'lossN':>7} {'step1 s':>8} {'step ms':>8} {'tok/s':>9} {'peak GiB':>8}")
     for r in rows:
-        print(f"{r['run']:6} {'compiled' if r['compiled'] else 'eager':9} {r['first_loss']:7.3f} {r['last_loss']:7.3f} "
+        print(f"{r['run']:8} {'compiled' if r['compiled'] else 'eager':9} {r['first_loss']:7.3f} {r['last_loss']:7.3f} "
               f"{r['first_step_s']:8.1f} {1e3 * r['median_step_s']:8.1f} {r['tokens_per_s']:9.0f} {r['peak_gib']:8.2f}")
     if args.out:
         with open(args.out, "w") as f:

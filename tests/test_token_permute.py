@@ -91,3 +91,24 @@ def test_triton_kernel_matches_torch_path():
     done = subprocess.run([sys.executable, "-c", _KERNEL_CHECK], env=env, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "kernel ok" in done.stdout
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_on_gpu_kernel_and_padding_leave_grouped_mm_bits_unchanged():
+    """On CUDA in bf16: the Triton path is taken, equals the torch path, and padding the groups
+    for ``torch._grouped_mm`` changes no bit of its output or gradients."""
+    from simplefsdp import token_permute as tp
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    counts = torch.tensor([100, 0, 37, 300, 75, 1, 250, 61], dtype=torch.int32, device="cuda")
+    x = torch.randn(int(counts.sum()), 512, generator=g, device="cuda").bfloat16().requires_grad_()
+    w = torch.randn(8, 512, 256, generator=g, device="cuda").bfloat16().requires_grad_()
+    index = torch.randperm(x.shape[0] + 40, generator=g, device="cuda") - 40
+    assert tp._triton_usable(x)
+    assert torch.equal(tp._permute_rows(x, index, index), tp._permute_rows_torch(x, index))
+    out = aligned_groups(_grouped_linear(w), x, counts)
+    ref = _grouped_linear(w)(x, counts)
+    assert torch.equal(out, ref)
+    grads = torch.autograd.grad(out.float().square().sum(), (x, w))
+    ref_grads = torch.autograd.grad(ref.float().square().sum(), (x, w))
+    assert all(torch.equal(a, b) for a, b in zip(grads, ref_grads))
