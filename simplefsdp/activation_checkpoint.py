@@ -23,14 +23,8 @@ import torch.nn as nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
-_COMPUTE_TO_SAVE = {
-    torch.ops.aten.mm.default,
-    torch.ops.aten.addmm.default,
-    torch.ops.aten.bmm.default,
-    torch.ops.aten._scaled_dot_product_flash_attention.default,
-    torch.ops.aten._scaled_dot_product_efficient_attention.default,
-    torch.ops.aten._scaled_dot_product_cudnn_attention.default,
-}
+# attention is saved in both modes as a random op (see _is_random)
+_COMPUTE_TO_SAVE = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default}
 if hasattr(torch.ops.aten, "_grouped_mm"):
     _COMPUTE_TO_SAVE.add(torch.ops.aten._grouped_mm.default)
 _COMM_TO_SAVE = {torch.ops._c10d_functional.all_to_all_single.default}

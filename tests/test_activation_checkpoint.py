@@ -1,6 +1,7 @@
-"""Activation checkpointing: errors, and the torch 2.13 limitation under torch.compile.
+"""Activation checkpointing: errors, state_dict names, the policy, and compiling checkpointed blocks.
 
-Eager parity of checkpointed FSDP x EP blocks is in ``test_moe.py``.
+Parity of checkpointed FSDP x EP blocks (eager and compiled) is in ``test_moe.py``, their graphs
+in ``test_moe_graphs.py``.
 """
 
 from __future__ import annotations
@@ -10,10 +11,9 @@ import torch
 from torch.distributed.device_mesh import init_device_mesh
 
 from simplefsdp import simple_fsdp
-from simplefsdp.activation_checkpoint import apply_activation_checkpointing
+from simplefsdp.activation_checkpoint import _context_fn, apply_activation_checkpointing
 from simplefsdp.models.llama import Transformer, TransformerConfig, cross_entropy_loss
-
-TORCH_2_13 = tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 13)
+from torch.utils.checkpoint import CheckpointPolicy
 
 
 def test_unknown_mode():
@@ -28,14 +28,25 @@ def test_state_dict_names_unchanged(fake_world):
     assert model.state_dict().keys() == plain
 
 
-@pytest.mark.xfail(
-    TORCH_2_13,
-    strict=True,
-    raises=AssertionError,
-    reason="torch 2.13 traces DeviceMesh as an opaque graph input; a checkpoint region that reads "
-    "DTensor parameters then saves the mesh among the tensors for backward and AOTAutograd asserts",
-)
+@pytest.mark.parametrize("mode", ["full", "selective"])
+def test_policy_saves_communication_and_random_ops(mode):
+    policy = _context_fn(mode)[0].policy_fn
+    aten = torch.ops.aten
+    for op in (
+        torch.ops._c10d_functional.all_to_all_single.default,
+        aten.native_dropout.default,
+        aten._scaled_dot_product_flash_attention_for_cpu.default,
+        aten._scaled_dot_product_efficient_attention.default,
+    ):
+        assert policy(None, op) == CheckpointPolicy.MUST_SAVE, op
+    expected_mm = CheckpointPolicy.MUST_SAVE if mode == "selective" else CheckpointPolicy.PREFER_RECOMPUTE
+    assert policy(None, aten.mm.default) == expected_mm
+    assert policy(None, aten.silu.default) == CheckpointPolicy.PREFER_RECOMPUTE
+
+
 def test_compiled_checkpointed_blocks(fake_world):
+    """Attention in a checkpointed block of DTensor parameters: on torch 2.13 replaying its RNG
+    state put the DeviceMesh among the saved tensors (AssertionError at the first step)."""
     mesh = init_device_mesh("cpu", (8,), mesh_dim_names=("dp_shard",))
     torch._dynamo.reset()
     model = simple_fsdp(apply_activation_checkpointing(Transformer(TransformerConfig(n_layers=1))), mesh)
