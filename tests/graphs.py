@@ -17,6 +17,7 @@ MATMULS = {"mm", "addmm", "bmm", "baddbmm", "_grouped_mm"}
 # position of the group-name argument of each functional collective
 COLLECTIVES = {
     "all_gather_into_tensor": 2,
+    "all_gather_into_tensor_out": 2,  # a merged (bucketed) all-gather
     "all_gather_single": 2,
     "reduce_scatter_tensor": 3,
     "reduce_scatter_single": 3,
@@ -43,7 +44,7 @@ def describe(graph: torch.fx.Graph, group_names: dict[str, str]) -> list[str]:
         if name in COLLECTIVES:
             group = node.args[COLLECTIVES[name]]
             extra = f" {node.args[1]}" if name.startswith(("reduce_scatter", "all_reduce")) else ""
-            shown = name.rstrip("_")  # in-place and functional forms read alike
+            shown = name.rstrip("_").removesuffix("_out")  # in-place, out= and functional forms read alike
             lines.append(f"{shown}[{group_names.get(group, group)}]{extra} {_dtype(node.args[0])}")
         elif name == "wait_tensor":
             lines.append("wait_tensor")
@@ -53,11 +54,14 @@ def describe(graph: torch.fx.Graph, group_names: dict[str, str]) -> list[str]:
 
 
 class _Capture(CustomGraphPass):
-    def __init__(self, group_names: dict[str, str]):
+    def __init__(self, group_names: dict[str, str], passes):
         self.group_names = group_names
+        self.passes = passes
         self.graphs: list[list[str]] = []
 
     def __call__(self, graph: torch.fx.Graph) -> None:
+        for graph_pass in self.passes:
+            graph_pass(graph)
         self.graphs.append(describe(graph, self.group_names))
 
     def uuid(self):
@@ -80,11 +84,12 @@ def _group_names(source) -> dict[str, str]:
 
 
 @contextlib.contextmanager
-def captured_graphs(source):
+def captured_graphs(source, passes=()):
     """Yield a list that fills with one description per compiled graph (forward, then backward).
 
-    ``source`` (a DeviceMesh, or a wrapped model) names the process groups.
+    ``source`` (a DeviceMesh, or a wrapped model) names the process groups; ``passes`` run on
+    each graph before it is described.
     """
-    capture = _Capture(_group_names(source))
+    capture = _Capture(_group_names(source), passes)
     with torch._inductor.config.patch(post_grad_custom_post_pass=capture, force_disable_caches=True):
         yield capture.graphs

@@ -1,0 +1,165 @@
+"""Per-mesh FSDP bucketing: one all-gather (and one reduce-scatter) per block, process group and dtype.
+
+SimpleFSDP traces one all-gather per parameter in forward (and per re-gathered parameter in
+backward) and one reduce-scatter per gradient. This post-grad pass merges them into buckets: by
+default one bucket per transformer block, process group and dtype, so an MoE block gets one
+bucket on the dense dp mesh and one on the expert (edp) mesh, and collectives of different
+process groups are never mixed. Before and after, for one block on 8 ranks::
+
+    all_gather[dp_shard](wq) wait mm ... all_gather[dp_shard](w2) wait mm
+    ->  all_gather[dp_shard](wq|wk|...|w2) wait  mm ... mm
+
+A parameter's block is the path of its module up to the first list index (``layers.3``);
+parameters outside any list (embeddings, final norm, output) share the ``root`` bucket, as
+FSDP2's root unit does. ``bucket_cap_mb`` splits a bucket that would exceed it.
+
+The merge itself is torch's (``torch._inductor.fx_passes.bucketing.merge_*_bucket``): inputs are
+concatenated into one buffer, gathered (or reduced) once and split again, so values are
+unchanged bit for bit (though Inductor may fuse the code around them differently: see
+:class:`FSDPBucketing`). Each call records its plan (buckets with their parameters, group, dtype
+and bytes) as the structured-trace artifact ``simplefsdp_fsdp_buckets``, which tlparse shows.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import asdict, dataclass, field
+
+import torch
+from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
+from torch._inductor.fx_passes.bucketing import (
+    is_all_gather_into_tensor,
+    is_reduce_scatter_tensor,
+    merge_all_gather_bucket,
+    merge_reduce_scatter_bucket,
+)
+from torch._logging import trace_structured
+
+ARTIFACT = "simplefsdp_fsdp_buckets"
+_LIST_INDEX = re.compile(r"^(.*?(?:\.\d+|\['\d+'\]))(?:\.|\[|$)")
+_DYNAMO_PREFIX = re.compile(r"^L\['self'\]\.?|^L\['[^']*'\]\.?")
+
+
+@dataclass
+class Bucket:
+    kind: str  # "all_gather" or "reduce_scatter"
+    block: str
+    group: str
+    dtype: str
+    params: list[str] = field(default_factory=list)
+    bytes: int = 0
+    nodes: list[torch.fx.Node] = field(default_factory=list, repr=False)
+
+    def record(self) -> dict:
+        out = asdict(self)
+        del out["nodes"]
+        return out
+
+
+def _module_path(node: torch.fx.Node) -> str:
+    """The path of the module whose parameter this collective moves ('' if unknown)."""
+    stack = node.meta.get("nn_module_stack") or node.meta.get("fwd_nn_module_stack") or {}
+    if not stack:
+        return ""
+    path = list(stack.values())[-1][0]
+    return _DYNAMO_PREFIX.sub("", path)
+
+
+def block_of(path: str) -> str:
+    """``layers.3.attention.wq`` -> ``layers.3``; a path with no list index -> ``root``."""
+    match = _LIST_INDEX.match(path)
+    return match.group(1) if match else "root"
+
+
+def _bytes(node: torch.fx.Node) -> int:
+    val = node.meta["val"]
+    return int(val.numel()) * val.element_size()
+
+
+def plan_buckets(
+    graph: torch.fx.Graph,
+    bucket_cap_mb: float | None = None,
+    kinds: tuple[str, ...] = ("all_gather", "reduce_scatter"),
+) -> list[Bucket]:
+    """The buckets, in graph order of their first collective; singletons are left out."""
+    buckets: dict[tuple, list[Bucket]] = {}
+    cap = None if bucket_cap_mb is None else bucket_cap_mb * 2**20
+    for node in graph.nodes:
+        if is_all_gather_into_tensor(node) and "all_gather" in kinds:
+            kind, group, extra = "all_gather", node.args[2], ()
+        elif is_reduce_scatter_tensor(node) and "reduce_scatter" in kinds:
+            kind, group, extra = "reduce_scatter", node.args[3], (node.args[1],)
+        else:
+            continue
+        path = _module_path(node)
+        block = block_of(path)
+        dtype = str(node.meta["val"].dtype).removeprefix("torch.")
+        key = (kind, block, str(group), dtype, *extra)
+        chain = buckets.setdefault(key, [])
+        size = _bytes(node)
+        if not chain or (cap is not None and chain[-1].bytes + size > cap and chain[-1].nodes):
+            chain.append(Bucket(kind, block, str(group), dtype))
+        bucket = chain[-1]
+        bucket.nodes.append(node)
+        bucket.params.append(path or node.name)
+        bucket.bytes += size
+    planned = [b for chain in buckets.values() for b in chain if len(b.nodes) > 1]
+    order = {node: i for i, node in enumerate(graph.nodes)}
+    return sorted(planned, key=lambda b: order[b.nodes[0]])
+
+
+def _hoist_inputs(graph: torch.fx.Graph, collectives: list[torch.fx.Node], before: torch.fx.Node) -> None:
+    """Move the computation of the collectives' inputs above ``before``, in graph order.
+
+    FSDP gather inputs derive from graph inputs alone (the shards), so the closure of their
+    producers can move up; a bucket whose inputs depend on a collective is a planning bug.
+    """
+    needed: set[torch.fx.Node] = set()
+    stack = [n.args[0] for n in collectives]
+    while stack:
+        node = stack.pop()
+        if not isinstance(node, torch.fx.Node) or node.op == "placeholder" or node in needed:
+            continue
+        if is_all_gather_into_tensor(node) or is_reduce_scatter_tensor(node):
+            raise AssertionError(f"an all-gather input depends on collective {node}")
+        needed.add(node)
+        stack.extend(node.all_input_nodes)
+    order = {node: i for i, node in enumerate(graph.nodes)}
+    for node in sorted(needed, key=order.__getitem__):
+        if order[node] > order[before]:
+            before.prepend(node)
+
+
+class FSDPBucketing(CustomGraphPass):
+    """Merge FSDP all-gathers and reduce-scatters per (block, process group, dtype).
+
+    ``all_gathers`` / ``reduce_scatters`` turn either half off. Merging reduce-scatters leaves
+    every bit of training unchanged (tested on gloo ranks). Merging all-gathers moves the same
+    bytes, but Inductor then fuses the copies out of the bucket into neighbouring kernels and,
+    on CPU, the re-fused kernels round differently (losses differ in the last bits).
+    """
+
+    def __init__(self, bucket_cap_mb: float | None = None, all_gathers: bool = True, reduce_scatters: bool = True):
+        self.bucket_cap_mb = bucket_cap_mb
+        self.kinds = ("all_gather",) * all_gathers + ("reduce_scatter",) * reduce_scatters
+
+    def __call__(self, graph: torch.fx.Graph) -> None:
+        buckets = plan_buckets(graph, self.bucket_cap_mb, self.kinds)
+        trace_structured(
+            "artifact",
+            metadata_fn=lambda: {"name": ARTIFACT, "encoding": "json"},
+            payload_fn=lambda: json.dumps([b.record() for b in buckets]),
+        )
+        for bucket in buckets:
+            if bucket.kind == "all_gather":
+                # where the first gather of the bucket was, its inputs (casts, pads and views of
+                # the shards) hoisted above it: every rank then issues the same collectives in
+                # the same order, also when uneven shards give ranks different pad nodes
+                _hoist_inputs(graph, bucket.nodes, before=bucket.nodes[0])
+                merge_all_gather_bucket(graph, bucket.nodes, insert_before=bucket.nodes[0])
+            else:  # after the last reduce-scatter, when every gradient of the bucket is ready
+                merge_reduce_scatter_bucket(graph, bucket.nodes)
+
+    def uuid(self) -> bytes:
+        return get_hash_for_files((__file__,), extra=repr((self.bucket_cap_mb, self.kinds)))
