@@ -6,8 +6,6 @@ sequences short; the whole transformer is checked by counts.
 
 from __future__ import annotations
 
-import expecttest
-import pytest
 import torch
 from torch.distributed.device_mesh import init_device_mesh
 
@@ -27,13 +25,6 @@ def _mlp_graphs(mesh, **kwargs) -> tuple[str, str]:
         compiled(torch.randn(4, 16)).sum().backward()
     forward, backward = graphs[-2:]  # a cast of the inputs (mp_policy) compiles as its own graph
     return "\n".join(forward), "\n".join(backward)
-
-
-@pytest.fixture
-def tc(fake_world):
-    case = expecttest.TestCase()
-    case.maxDiff = None
-    return case
 
 
 def test_fully_shard_mixed_precision_regathers_in_backward(tc):

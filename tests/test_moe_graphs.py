@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import dataclasses
 
-import expecttest
 import pytest
 import torch
 from torch.distributed.device_mesh import init_device_mesh
@@ -49,13 +48,7 @@ def _moe_layer_graphs(shape, names, ep) -> tuple[str, str]:
     return forward, backward
 
 
-@pytest.fixture
-def tc(fake_world):
-    case = expecttest.TestCase()
-    case.maxDiff = None
-    return case
-
-
+@pytest.mark.slow
 def test_fsdp8(tc):
     """No ep: the experts are FSDP-sharded on dp_shard like every other parameter."""
     forward, backward = _moe_layer_graphs((8,), ("dp_shard",), 1)
@@ -134,6 +127,7 @@ addmm float32
 reduce_scatter_tensor[dp_shard] avg float32""")
 
 
+@pytest.mark.slow
 def test_fsdp2_tp2_ep2(tc):
     """ep borrows tp ranks: each tp rank dispatches its share of the rows, then tp all-gathers them."""
     forward, backward = _moe_layer_graphs((4, 2), ("dp_shard", "tp"), 2)

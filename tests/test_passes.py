@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 
-import expecttest
 import pytest
 import torch
 from torch.distributed.device_mesh import init_device_mesh
@@ -32,13 +31,6 @@ def _graphs(model, tokens, graph_passes):
     with captured_graphs(model, passes=graph_passes) as graphs:
         cross_entropy_loss(torch.compile(model, fullgraph=True)(tokens), tokens).backward()
     return graphs
-
-
-@pytest.fixture
-def tc(fake_world):
-    case = expecttest.TestCase()
-    case.maxDiff = None
-    return case
 
 
 def test_block_of():
@@ -116,6 +108,7 @@ reduce_scatter_tensor[dp_shard] avg float32
 reduce_scatter_tensor[dp_shard] avg float32""")
 
 
+@pytest.mark.slow
 def test_bucket_cap_splits_buckets(fake_world):
     torch._dynamo.reset()
     torch.manual_seed(0)

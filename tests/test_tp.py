@@ -22,8 +22,6 @@ LOSS_ATOL, PARAM_ATOL = 1e-5, 5e-5
 
 
 def _run(compiled):
-    import torch.distributed as dist
-
     torch._dynamo.reset()
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_shard", "tp"))
     model = simple_fsdp(apply_tensor_parallel(T.build_model(), mesh["tp"]), mesh)
