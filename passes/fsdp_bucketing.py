@@ -36,9 +36,11 @@ from torch._inductor.fx_passes.bucketing import (
 )
 from torch._logging import trace_structured
 
+from simplefsdp.passes import fx_utils
+from simplefsdp.passes.fx_utils import module_path
+
 ARTIFACT = "simplefsdp_fsdp_buckets"
 _LIST_INDEX = re.compile(r"^(.*?(?:\.\d+|\['\d+'\]))(?:\.|\[|$)")
-_DYNAMO_PREFIX = re.compile(r"^L\['self'\]\.?|^L\['[^']*'\]\.?")
 
 
 @dataclass
@@ -55,15 +57,6 @@ class Bucket:
         out = asdict(self)
         del out["nodes"]
         return out
-
-
-def _module_path(node: torch.fx.Node) -> str:
-    """The path of the module whose parameter this collective moves ('' if unknown)."""
-    stack = node.meta.get("nn_module_stack") or node.meta.get("fwd_nn_module_stack") or {}
-    if not stack:
-        return ""
-    path = list(stack.values())[-1][0]
-    return _DYNAMO_PREFIX.sub("", path)
 
 
 def block_of(path: str) -> str:
@@ -92,7 +85,7 @@ def plan_buckets(
             kind, group, extra = "reduce_scatter", node.args[3], (node.args[1],)
         else:
             continue
-        path = _module_path(node)
+        path = module_path(node)
         block = block_of(path)
         dtype = str(node.meta["val"].dtype).removeprefix("torch.")
         key = (kind, block, str(group), dtype, *extra)
@@ -162,4 +155,4 @@ class FSDPBucketing(CustomGraphPass):
                 merge_reduce_scatter_bucket(graph, bucket.nodes)
 
     def uuid(self) -> bytes:
-        return get_hash_for_files((__file__,), extra=repr((self.bucket_cap_mb, self.kinds)))
+        return get_hash_for_files((__file__, fx_utils.__file__), extra=repr((self.bucket_cap_mb, self.kinds)))

@@ -21,6 +21,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 from torch.distributed.tensor.placement_types import _StridedShard
 from torch.utils._pytree import tree_map_only
 
+from simplefsdp import passes
 from simplefsdp.eager_reshard import resharding_saved_tensors
 from simplefsdp.expert_parallel import ExpertParallel, is_routed_experts
 from simplefsdp.mesh_layout import DataParallelLayout, ExpertLayout, resolve_layout
@@ -272,6 +273,8 @@ def simple_fsdp(
             all-to-all. Sets ``torch._dynamo.config.capture_scalar_outputs`` so the all-to-all
             split sizes trace without a graph break.
 
+    Installs SimpleFSDP's Inductor passes (``simplefsdp.passes.install()``) so that a later
+    ``torch.compile`` runs them; ``simplefsdp.passes.compile_options`` configures them per compile.
     Gradients are averaged over the data-parallel ranks, as with ``fully_shard``.
     """
     _check_model(model)
@@ -309,4 +312,5 @@ def simple_fsdp(
             if buf is not None:
                 module._buffers[name] = buf.to(device)
     _install_root_hooks(model, mp_policy, bool(reshard_after_forward))
+    passes.install()
     return model

@@ -34,7 +34,8 @@ def _spread_routing(model: torch.nn.Module, ep: int) -> None:
             module.router.expert_bias[:: CFG.num_experts // ep] = 1.0
 
 
-def _moe_layer_graphs(shape, names, ep) -> tuple[str, str]:
+def _moe_layer_graphs(shape, names, ep, passes=(), waits=False) -> tuple[str, str]:
+    """Forward and backward lines of one compiled MoE layer, after ``passes``; waits if asked."""
     torch._dynamo.reset()
     torch.manual_seed(0)
     mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
@@ -42,9 +43,9 @@ def _moe_layer_graphs(shape, names, ep) -> tuple[str, str]:
     _spread_routing(moe, max(ep, 2))
     model = simple_fsdp(moe, mesh, ep=ep)
     x = torch.randn(2, 16, CFG.dim, requires_grad=True)
-    with captured_graphs(model) as graphs:
+    with captured_graphs(model, passes) as graphs:
         torch.compile(model, fullgraph=True)(x).sum().backward()
-    forward, backward = ("\n".join(line for line in g if line != "wait_tensor") for g in graphs)
+    forward, backward = ("\n".join(line for line in g if waits or line != "wait_tensor") for g in graphs)
     return forward, backward
 
 

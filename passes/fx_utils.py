@@ -1,0 +1,104 @@
+"""FX helpers shared by the passes: what a node is (op, process group, module), and reordering.
+
+The scheduling passes say *where* nodes should go by giving them keys; :func:`reorder` turns keys
+into a valid order: a topological sort that always takes, among the ready nodes, the one with the
+smallest key. A node keyed ahead of one of its inputs simply waits for it, so no key assignment
+can produce an invalid graph. A collective also waits for the previous collective of its process
+group: moving a collective past one of another group is fine (every rank runs the same pass on
+the same graph), but each group's own sequence never changes. :func:`collective_sequences` lets
+the passes check that.
+"""
+
+from __future__ import annotations
+
+import heapq
+import re
+from collections import defaultdict
+
+import torch
+
+_DYNAMO_PREFIX = re.compile(r"^L\['self'\]\.?|^L\['[^']*'\]\.?")
+# position of the group-name argument of each functional collective that the passes may meet
+_GROUP_ARG = {
+    "all_gather_into_tensor": 2,
+    "all_gather_into_tensor_out": 2,
+    "all_gather_single": 2,
+    "reduce_scatter_tensor": 3,
+    "reduce_scatter_tensor_out": 3,
+    "reduce_scatter_single": 3,
+    "all_reduce": 2,
+    "all_reduce_": 2,
+    "all_to_all_single": 3,
+}
+
+
+def op_name(node: torch.fx.Node) -> str | None:
+    """The aten/c10d op name of a call (``bmm``, ``wait_tensor``, ...), else None."""
+    if node.op != "call_function":
+        return None
+    return getattr(node.target, "_opname", None)
+
+
+def module_path(node: torch.fx.Node) -> str:
+    """The path of the module whose parameter this collective moves ('' if unknown)."""
+    stack = node.meta.get("nn_module_stack") or node.meta.get("fwd_nn_module_stack") or {}
+    if not stack:
+        return ""
+    path = list(stack.values())[-1][0]
+    return _DYNAMO_PREFIX.sub("", path)
+
+
+def collective_group(node: torch.fx.Node) -> str | None:
+    """The process-group name a functional collective runs on, None for other nodes."""
+    index = _GROUP_ARG.get(op_name(node) or "")
+    return None if index is None else str(node.args[index])
+
+
+def collective_sequences(graph: torch.fx.Graph) -> dict[str, list[str]]:
+    """Per process group, the names of its collectives in graph order."""
+    out: dict[str, list[str]] = defaultdict(list)
+    for node in graph.nodes:
+        group = collective_group(node)
+        if group is not None:
+            out[group].append(node.name)
+    return dict(out)
+
+
+def reorder(graph: torch.fx.Graph, keys: dict[torch.fx.Node, tuple]) -> None:
+    """Re-sort the graph's nodes: smallest key first among those ready; default key: position.
+
+    A node is ready when its inputs are placed and, for a collective, when the previous
+    collective of its process group is placed, so each group's sequence stays as it was.
+    Placeholders stay first and the output last. Keys are compared as tuples; a node without
+    one gets ``(its position,)``.
+    """
+    nodes = [n for n in graph.nodes if n.op not in ("placeholder", "output")]
+    position = {n: i for i, n in enumerate(graph.nodes)}
+    key = lambda n: keys.get(n, (position[n],)) + (position[n],)
+    after: dict[torch.fx.Node, list[torch.fx.Node]] = {n: list(n.users) for n in nodes}
+    missing = {n: 0 for n in nodes}
+    for n in nodes:
+        missing[n] = sum(1 for i in n.all_input_nodes if i in missing)
+    last_of_group: dict[str, torch.fx.Node] = {}
+    for n in nodes:
+        group = collective_group(n)
+        if group is not None:
+            if group in last_of_group:
+                after[last_of_group[group]].append(n)
+                missing[n] += 1
+            last_of_group[group] = n
+    ready = [(key(n), n) for n in nodes if missing[n] == 0]
+    heapq.heapify(ready)
+    order = []
+    while ready:
+        _, node = heapq.heappop(ready)
+        order.append(node)
+        for user in after[node]:
+            if user in missing:
+                missing[user] -= 1
+                if missing[user] == 0:
+                    heapq.heappush(ready, (key(user), user))
+    assert len(order) == len(nodes), "the graph has a cycle"
+    output = graph.output_node()
+    for node in order:  # each moves to the end, just before the output
+        output.prepend(node)
