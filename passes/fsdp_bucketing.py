@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field, fields
 
 import torch
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
@@ -54,9 +54,7 @@ class Bucket:
     nodes: list[torch.fx.Node] = field(default_factory=list, repr=False)
 
     def record(self) -> dict:
-        out = asdict(self)
-        del out["nodes"]
-        return out
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "nodes"}
 
 
 def block_of(path: str) -> str:

@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from simplefsdp.frontend import simple_fsdp
 from simplefsdp.models.llama import Transformer, TransformerConfig, cross_entropy_loss
+from simplefsdp.tracing import trace
 
 MODES = ("fully_shard", "replicate", "hybrid_shard")
 
@@ -83,7 +84,13 @@ def _train(args) -> list[float]:
         if rank == 0:
             print(f"step {step + 1:4d}/{args.steps}  loss {loss:8.4f}  {time.perf_counter() - start:7.1f}s", flush=True)
 
-    return train_steps(runner, data, lr=args.lr, dp_rank=rank, dp_size=world, on_step=log)
+    if args.trace_dir is None:
+        return train_steps(runner, data, lr=args.lr, dp_rank=rank, dp_size=world, on_step=log)
+    with trace(args.trace_dir) as t:
+        losses = train_steps(runner, data, lr=args.lr, dp_rank=rank, dp_size=world, on_step=log)
+    if rank == 0:
+        print(f"trace: {args.trace_dir}" + (f", tlparse report: {t.report}" if t.report else " (tlparse not installed)"))
+    return losses
 
 
 def parse_args(argv=None):
@@ -98,6 +105,7 @@ def parse_args(argv=None):
     p.add_argument("--lr", type=float, default=1e-2)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--trace-dir", default=None, help="dump the compile trace here and render it with tlparse")
     args = p.parse_args(argv)
     if args.ranks < 1 or args.batch % args.ranks:
         p.error(f"--batch {args.batch} must divide evenly over --ranks {args.ranks}")

@@ -457,3 +457,32 @@ reduce_scatter_tensor[dp_shard] avg float32
 wait_tensor
 all_reduce[dp_replicate] avg float32
 wait_tensor""")
+
+
+def test_trace_records_the_pass_plans(fake_world, tmp_path):
+    """simplefsdp.trace writes the structured trace with both passes' plans; tlparse renders them."""
+    import shutil
+
+    import simplefsdp
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    cfg = dataclasses.replace(MOE, n_layers=2, n_dense_layers=1)
+    model = moe_transformer(cfg)
+    for module in model.modules():  # the fake group's ties in routing: see test_moe_graphs.py
+        if isinstance(module, MoE):
+            module.router.expert_bias[:: cfg.num_experts // 2] = 1.0
+    model = simple_fsdp(model, init_device_mesh("cpu", (8,), mesh_dim_names=("dp_shard",)), ep=2)
+    tokens = torch.randint(0, cfg.vocab_size, (2, 16))
+    with simplefsdp.trace(tmp_path) as t:
+        cross_entropy_loss(torch.compile(model, fullgraph=True)(tokens), tokens).backward()
+    (log,) = t.logs()
+    text = open(log).read()
+    assert text.count('"name": "simplefsdp_fsdp_buckets"') == 2  # forward and backward graphs
+    assert text.count('"name": "simplefsdp_a2a_overlap"') == 2
+    if shutil.which("tlparse") is None:
+        pytest.skip("tlparse is not installed: the trace was written but not rendered")
+    rendered = [p.name for p in (tmp_path / "tlparse").rglob("*") if p.is_file()]
+    assert t.report == str(tmp_path / "tlparse" / "index.html")
+    assert sum(name.startswith("simplefsdp_fsdp_buckets") for name in rendered) == 2, rendered
+    assert sum(name.startswith("simplefsdp_a2a_overlap") for name in rendered) == 2, rendered
