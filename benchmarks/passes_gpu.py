@@ -9,10 +9,13 @@ passes off, at their defaults and with all-gather buckets too, and reports:
 * collectives per step in the generated code, per kind;
 * compile time of the first step, and the median time of later steps (collectives cost nothing
   here: this measures compute and launch overhead only);
-* whether the loss equals, bit for bit, that of the run without passes (gradients are not
-  compared here: the fake group's reduce-scatter leaves its output unwritten; the gloo tests
-  compare them);
+* whether the loss equals, bit for bit, that of the run without passes (only where the fake
+  group's collectives write their outputs: its reduce-scatter and its out= all-gather, which
+  all-gather buckets use, leave them unwritten; the gloo tests compare everything);
 * the generated order of all-to-alls, grouped matmuls and their waits in the MoE block.
+
+On CUDA the fake group leaves the all-to-all's token counts unwritten, so at ep > 1 the compiled
+forward is generated (and reported) but cannot run; there is no backward graph or timing then.
 
     python benchmarks/passes_gpu.py [--steps 6] [--out benchmarks/results/passes_gpu_h200.json]
 """
@@ -26,10 +29,11 @@ import json
 import re
 import statistics
 import time
+from unittest import mock
 
 import torch
 import torch.distributed as dist
-from torch._inductor.utils import run_and_get_code
+from torch._inductor.graph import GraphLowering
 from torch.distributed.device_mesh import init_device_mesh
 
 from simplefsdp import MixedPrecisionPolicy, compile_options, simple_fsdp
@@ -93,12 +97,18 @@ def run(cfg: MoEConfig, device: str, ep: int, options: dict, steps: int, seq: in
         loss.backward()
         return loss.detach()
 
+    codes = []  # what run_and_get_code collects, kept also when the run fails after compiling
     start = time.perf_counter()
-    loss, codes = run_and_get_code(step)
+    with mock.patch.object(GraphLowering, "save_output_code", codes.append):
+        try:
+            loss = step().float().item()
+        except (RuntimeError, torch.OutOfMemoryError) as e:  # the fake group leaves a2a counts unwritten on CUDA
+            print(f"ep={ep}: compiled, but the fake group cannot run the dispatch: {str(e).splitlines()[0]}")
+            loss = None
     sync()
     compile_s = time.perf_counter() - start
     times = []
-    for _ in range(steps):
+    for _ in range(steps if loss is not None else 0):
         model.zero_grad()
         sync()
         t0 = time.perf_counter()
@@ -106,13 +116,14 @@ def run(cfg: MoEConfig, device: str, ep: int, options: dict, steps: int, seq: in
         sync()
         times.append(time.perf_counter() - t0)
     events = [code_events(c) for c in codes if "def call(" in c]
-    return loss.float().item(), compile_s, statistics.median(times), events
+    return loss, compile_s, statistics.median(times) if times else float("nan"), events
 
 
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--out", default=None)
+    p.add_argument("--configs", default=",".join(CONFIGS), help=f"comma-separated, from {list(CONFIGS)}")
     p.add_argument("--device", default="cuda", help="cpu: a quick check of the script itself, tiny model")
     args = p.parse_args()
     cfg, seq = (CFG, 2048) if args.device == "cuda" else (dataclasses.replace(CFG, vocab_size=256, dim=64, ffn_dim=128, expert_dim=32, n_heads=4, n_kv_heads=2), 16)
@@ -122,13 +133,15 @@ def main():
     if args.device == "cuda":
         torch.cuda.set_device(0)
     rows, orders = [], {}
-    for config, ep in CONFIGS.items():
-        ref = None
+    run(cfg, args.device, 1, PASSES["off"], 0, seq)  # warm-up, not reported: the first compile pays for imports
+    for config in args.configs.split(","):
+        ep, ref = CONFIGS[config], None
         for name, options in PASSES.items():
             loss, compile_s, step_s, events = run(cfg, args.device, ep, options, args.steps, seq)
-            ref = loss if ref is None else ref
+            ref = loss if name == "off" else ref
+            comparable = loss is not None and options.get("bucketing") != "all"
             counts = collections.Counter(e for graph in events for e in graph if e.startswith(COLLECTIVES))
-            rows.append(dict(config=config, passes=name, loss=loss, loss_bitwise_equal_to_off=loss == ref, compile_s=compile_s,
+            rows.append(dict(config=config, passes=name, loss=loss, loss_bitwise_equal_to_off=loss == ref if comparable else None, compile_s=compile_s,
                              step_ms=1e3 * step_s, collectives=dict(counts)))
             orders[f"{config}/{name}"] = [[e for e in graph if e.startswith(SHOWN)] for graph in events]
             print(rows[-1], flush=True)

@@ -1,14 +1,14 @@
 """SimpleFSDP's Inductor passes (installed as ``simplefsdp.passes``).
 
 :class:`SimpleFSDPPasses` runs them in order on each post-grad graph: FSDP bucketing
-(:mod:`.fsdp_bucketing`), then the all-to-all overlap (:mod:`.a2a_overlap`), then the pass the
-user had set, if any. ``simple_fsdp(...)`` calls :func:`install`, so a plain
+(:mod:`.fsdp_bucketing`), the all-to-all overlap (:mod:`.a2a_overlap`), FSDP prefetch
+(:mod:`.fsdp_prefetch`), then the pass the user had set, if any. ``simple_fsdp(...)`` calls :func:`install`, so a plain
 ``torch.compile(model)`` runs them; :func:`compile_options` configures them (or turns them off)
 for one compile::
 
     model = torch.compile(simple_fsdp(model, mesh, ep=2))            # defaults
     model = torch.compile(model, options=compile_options(bucketing="all", bucket_cap_mb=64))
-    model = torch.compile(model, options=compile_options(bucketing="none", a2a_overlap=False))
+    model = torch.compile(model, options=compile_options(bucketing="none", a2a_overlap=False, prefetch=0))
 
 Inductor takes one ``post_grad_custom_post_pass`` (torch 2.11 takes a single callable), so a
 pass set before ``simple_fsdp`` is kept and run after ours, not replaced.
@@ -21,6 +21,7 @@ from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_file
 
 from simplefsdp.passes.a2a_overlap import AllToAllOverlap
 from simplefsdp.passes.fsdp_bucketing import FSDPBucketing
+from simplefsdp.passes.fsdp_prefetch import FSDPPrefetch
 
 BUCKETING = ("all", "reduce_scatter", "none")
 # all-gather buckets are not yet bitwise neutral on CPU (see FSDPBucketing): off by default
@@ -35,6 +36,7 @@ class SimpleFSDPPasses(CustomGraphPass):
         bucketing: str = DEFAULT_BUCKETING,
         bucket_cap_mb: float | None = None,
         a2a_overlap: bool = True,
+        prefetch: int = 1,
         user_pass=None,
     ):
         if bucketing not in BUCKETING:
@@ -43,6 +45,8 @@ class SimpleFSDPPasses(CustomGraphPass):
             raise ValueError(f"bucket_cap_mb must be positive; got {bucket_cap_mb!r}")
         if not isinstance(a2a_overlap, bool):
             raise ValueError(f"a2a_overlap must be True or False; got {a2a_overlap!r}")
+        if not isinstance(prefetch, int) or isinstance(prefetch, bool) or prefetch < 0:
+            raise ValueError(f"prefetch must be an int >= 0 (blocks in flight; 0: off); got {prefetch!r}")
         if isinstance(user_pass, SimpleFSDPPasses):
             user_pass = user_pass.user_pass
         self.passes = []
@@ -50,6 +54,8 @@ class SimpleFSDPPasses(CustomGraphPass):
             self.passes.append(FSDPBucketing(bucket_cap_mb, all_gathers=bucketing == "all"))
         if a2a_overlap:
             self.passes.append(AllToAllOverlap())
+        if prefetch:
+            self.passes.append(FSDPPrefetch(prefetch))
         self.user_pass = user_pass
 
     def __call__(self, graph: torch.fx.Graph) -> None:
@@ -84,16 +90,21 @@ def install() -> None:
 
 
 def compile_options(
-    *, bucketing: str = DEFAULT_BUCKETING, bucket_cap_mb: float | None = None, a2a_overlap: bool = True
+    *,
+    bucketing: str = DEFAULT_BUCKETING,
+    bucket_cap_mb: float | None = None,
+    a2a_overlap: bool = True,
+    prefetch: int = 1,
 ) -> dict:
     """``torch.compile(options=...)`` that runs the passes configured so, then the user's pass.
 
     ``bucketing``: ``"reduce_scatter"`` (default) merges FSDP reduce-scatters per block and mesh,
     ``"all"`` the all-gathers too, ``"none"`` neither. ``bucket_cap_mb`` caps a bucket's size.
-    ``a2a_overlap`` overlaps the expert all-to-alls with shared-expert compute.
+    ``a2a_overlap`` overlaps the expert all-to-alls with shared-expert compute. ``prefetch``:
+    blocks whose all-gathers are issued ahead (and whose reduce-scatters drain behind); 0: off.
     """
-    chain = SimpleFSDPPasses(bucketing, bucket_cap_mb, a2a_overlap, user_pass=_user_pass())
+    chain = SimpleFSDPPasses(bucketing, bucket_cap_mb, a2a_overlap, prefetch, user_pass=_user_pass())
     return {"post_grad_custom_post_pass": chain if chain.passes else chain.user_pass}
 
 
-__all__ = ["BUCKETING", "AllToAllOverlap", "FSDPBucketing", "SimpleFSDPPasses", "compile_options", "install"]
+__all__ = ["BUCKETING", "AllToAllOverlap", "FSDPBucketing", "FSDPPrefetch", "SimpleFSDPPasses", "compile_options", "install"]

@@ -9,7 +9,7 @@ process groups are never mixed. Before and after, for one block on 8 ranks::
     all_gather[dp_shard](wq) wait mm ... all_gather[dp_shard](w2) wait mm
     ->  all_gather[dp_shard](wq|wk|...|w2) wait  mm ... mm
 
-A parameter's block is the path of its module up to the first list index (``layers.3``);
+A parameter's block (:func:`fx_utils.block_of`) is the path of its module up to the first list index (``layers.3``);
 parameters outside any list (embeddings, final norm, output) share the ``root`` bucket, as
 FSDP2's root unit does. ``bucket_cap_mb`` splits a bucket that would exceed it.
 
@@ -23,7 +23,6 @@ and bytes) as the structured-trace artifact ``simplefsdp_fsdp_buckets``, which t
 from __future__ import annotations
 
 import json
-import re
 from dataclasses import dataclass, field, fields
 
 import torch
@@ -37,10 +36,9 @@ from torch._inductor.fx_passes.bucketing import (
 from torch._logging import trace_structured
 
 from simplefsdp.passes import fx_utils
-from simplefsdp.passes.fx_utils import module_path
+from simplefsdp.passes.fx_utils import BLOCK_META, input_closure, module_path, node_block
 
 ARTIFACT = "simplefsdp_fsdp_buckets"
-_LIST_INDEX = re.compile(r"^(.*?(?:\.\d+|\['\d+'\]))(?:\.|\[|$)")
 
 
 @dataclass
@@ -55,12 +53,6 @@ class Bucket:
 
     def record(self) -> dict:
         return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "nodes"}
-
-
-def block_of(path: str) -> str:
-    """``layers.3.attention.wq`` -> ``layers.3``; a path with no list index -> ``root``."""
-    match = _LIST_INDEX.match(path)
-    return match.group(1) if match else "root"
 
 
 def _bytes(node: torch.fx.Node) -> int:
@@ -78,13 +70,15 @@ def plan_buckets(
     cap = None if bucket_cap_mb is None else bucket_cap_mb * 2**20
     for node in graph.nodes:
         if is_all_gather_into_tensor(node) and "all_gather" in kinds:
+            if input_closure([node]) is None:  # gathers activations (tp after a combine), not a parameter
+                continue
             kind, group, extra = "all_gather", node.args[2], ()
         elif is_reduce_scatter_tensor(node) and "reduce_scatter" in kinds:
             kind, group, extra = "reduce_scatter", node.args[3], (node.args[1],)
         else:
             continue
         path = module_path(node)
-        block = block_of(path)
+        block = node_block(node)
         dtype = str(node.meta["val"].dtype).removeprefix("torch.")
         key = (kind, block, str(group), dtype, *extra)
         chain = buckets.setdefault(key, [])
@@ -106,16 +100,9 @@ def _hoist_inputs(graph: torch.fx.Graph, collectives: list[torch.fx.Node], befor
     FSDP gather inputs derive from graph inputs alone (the shards), so the closure of their
     producers can move up; a bucket whose inputs depend on a collective is a planning bug.
     """
-    needed: set[torch.fx.Node] = set()
-    stack = [n.args[0] for n in collectives]
-    while stack:
-        node = stack.pop()
-        if not isinstance(node, torch.fx.Node) or node.op == "placeholder" or node in needed:
-            continue
-        if is_all_gather_into_tensor(node) or is_reduce_scatter_tensor(node):
-            raise AssertionError(f"an all-gather input depends on collective {node}")
-        needed.add(node)
-        stack.extend(node.all_input_nodes)
+    needed = input_closure(collectives)
+    if needed is None:
+        raise AssertionError(f"an input of the bucket of {collectives[0]} depends on a collective")
     order = {node: i for i, node in enumerate(graph.nodes)}
     for node in sorted(needed, key=order.__getitem__):
         if order[node] > order[before]:
@@ -143,6 +130,7 @@ class FSDPBucketing(CustomGraphPass):
             payload_fn=lambda: json.dumps([b.record() for b in buckets]),
         )
         for bucket in buckets:
+            before = set(graph.nodes)
             if bucket.kind == "all_gather":
                 # where the first gather of the bucket was, its inputs (casts, pads and views of
                 # the shards) hoisted above it: every rank then issues the same collectives in
@@ -151,6 +139,9 @@ class FSDPBucketing(CustomGraphPass):
                 merge_all_gather_bucket(graph, bucket.nodes, insert_before=bucket.nodes[0])
             else:  # after the last reduce-scatter, when every gradient of the bucket is ready
                 merge_reduce_scatter_bucket(graph, bucket.nodes)
+            for node in graph.nodes:  # the merged nodes carry no module path: keep their block
+                if node not in before:
+                    node.meta[BLOCK_META] = bucket.block
 
     def uuid(self) -> bytes:
         return get_hash_for_files((__file__, fx_utils.__file__), extra=repr((self.bucket_cap_mb, self.kinds)))

@@ -17,6 +17,7 @@ from collections import defaultdict
 
 import torch
 
+_LIST_INDEX = re.compile(r"^(.*?(?:\.\d+|\['\d+'\]))(?:\.|\[|$)")
 _DYNAMO_PREFIX = re.compile(r"^L\['self'\]\.?|^L\['[^']*'\]\.?")
 # position of the group-name argument of each functional collective that the passes may meet
 _GROUP_ARG = {
@@ -46,6 +47,39 @@ def module_path(node: torch.fx.Node) -> str:
         return ""
     path = list(stack.values())[-1][0]
     return _DYNAMO_PREFIX.sub("", path)
+
+
+def block_of(path: str) -> str:
+    """``layers.3.attention.wq`` -> ``layers.3``; a path with no list index -> ``root``."""
+    match = _LIST_INDEX.match(path)
+    return match.group(1) if match else "root"
+
+
+BLOCK_META = "simplefsdp_block"  # set on nodes a pass creates (merged buckets), which have no module path
+
+
+def node_block(node: torch.fx.Node) -> str:
+    """The block of the parameter a collective moves: :func:`block_of` its module path."""
+    return node.meta.get(BLOCK_META) or block_of(module_path(node))
+
+
+def input_closure(collectives: list[torch.fx.Node]) -> set[torch.fx.Node] | None:
+    """Every non-placeholder node the collectives' inputs are computed from; None if one is a collective.
+
+    For FSDP gathers these are casts, pads and views of the shards (graph inputs); a gather of
+    activations (the tp gather after an expert combine) depends on other collectives.
+    """
+    needed: set[torch.fx.Node] = set()
+    stack = [n.args[0] for n in collectives]
+    while stack:
+        node = stack.pop()
+        if not isinstance(node, torch.fx.Node) or node.op == "placeholder" or node in needed:
+            continue
+        if collective_group(node) is not None or op_name(node) == "wait_tensor":
+            return None
+        needed.add(node)
+        stack.extend(node.all_input_nodes)
+    return needed
 
 
 def collective_group(node: torch.fx.Node) -> str | None:

@@ -16,6 +16,7 @@ with the inverse index.
 
 from __future__ import annotations
 
+import math
 import os
 
 import torch
@@ -56,7 +57,7 @@ def _permute_rows(x: torch.Tensor, index: torch.Tensor, inverse: torch.Tensor) -
         return _permute_rows_torch(x, index)
     x = x.contiguous()
     out = x.new_empty((index.shape[0], *x.shape[1:]))
-    cols = x[0].numel() if x.shape[0] else 1
+    cols = math.prod(x.shape[1:])  # not x[0].numel(): the row count may be unbacked (ep dispatch)
     block = min(1024, triton.next_power_of_2(cols))
     grid = (index.shape[0], triton.cdiv(cols, block))
     torch.library.wrap_triton(_permute_rows_kernel)[grid](x, index, out, cols, BLOCK=block)

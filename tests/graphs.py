@@ -35,8 +35,9 @@ def _dtype(node) -> str:
 
 
 def describe(graph: torch.fx.Graph, group_names: dict[str, str]) -> list[str]:
-    """One line per collective, wait and matmul: ``op[group] dtype`` in graph order."""
-    lines = []
+    """One line per collective, wait and matmul in graph order: ``op[group] dtype``,
+    ``wait op[group]`` (what it waits for), ``mm dtype``."""
+    lines, started = [], {}
     for node in graph.nodes:
         if node.op != "call_function" or not hasattr(node.target, "_opname"):
             continue
@@ -45,9 +46,10 @@ def describe(graph: torch.fx.Graph, group_names: dict[str, str]) -> list[str]:
             group = node.args[COLLECTIVES[name]]
             extra = f" {node.args[1]}" if name.startswith(("reduce_scatter", "all_reduce")) else ""
             shown = name.rstrip("_").removesuffix("_out")  # in-place, out= and functional forms read alike
-            lines.append(f"{shown}[{group_names.get(group, group)}]{extra} {_dtype(node.args[0])}")
+            started[node] = f"{shown}[{group_names.get(group, group)}]"
+            lines.append(f"{started[node]}{extra} {_dtype(node.args[0])}")
         elif name == "wait_tensor":
-            lines.append("wait_tensor")
+            lines.append(f"wait {started.get(node.args[0], '?')}")
         elif name in MATMULS:
             lines.append(f"{name} {_dtype(node)}")
     return lines

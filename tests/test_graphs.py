@@ -32,27 +32,27 @@ def test_fully_shard_mixed_precision_regathers_in_backward(tc):
     forward, backward = _mlp_graphs(mesh, mp_policy=BF16_FP32)
     tc.assertExpectedInline(forward, """\
 all_gather_into_tensor[dp_shard] bfloat16
-wait_tensor
+wait all_gather_into_tensor[dp_shard]
 mm bfloat16
 all_gather_into_tensor[dp_shard] bfloat16
-wait_tensor
+wait all_gather_into_tensor[dp_shard]
 mm bfloat16
 all_gather_into_tensor[dp_shard] bfloat16
-wait_tensor
+wait all_gather_into_tensor[dp_shard]
 mm bfloat16""")
     tc.assertExpectedInline(backward, """\
 mm bfloat16
 all_gather_into_tensor[dp_shard] bfloat16
-wait_tensor
+wait all_gather_into_tensor[dp_shard]
 mm bfloat16
 reduce_scatter_tensor[dp_shard] avg float32
-wait_tensor
+wait reduce_scatter_tensor[dp_shard]
 mm bfloat16
 reduce_scatter_tensor[dp_shard] avg float32
-wait_tensor
+wait reduce_scatter_tensor[dp_shard]
 mm bfloat16
 reduce_scatter_tensor[dp_shard] avg float32
-wait_tensor""")
+wait reduce_scatter_tensor[dp_shard]""")
 
 
 def test_keep_unsharded_has_no_all_gather_in_backward(tc):
@@ -60,25 +60,25 @@ def test_keep_unsharded_has_no_all_gather_in_backward(tc):
     forward, backward = _mlp_graphs(mesh, mp_policy=BF16_FP32, reshard_after_forward=False)
     tc.assertExpectedInline(forward, """\
 all_gather_into_tensor[dp_shard] bfloat16
-wait_tensor
+wait all_gather_into_tensor[dp_shard]
 mm bfloat16
 all_gather_into_tensor[dp_shard] bfloat16
-wait_tensor
+wait all_gather_into_tensor[dp_shard]
 mm bfloat16
 all_gather_into_tensor[dp_shard] bfloat16
-wait_tensor
+wait all_gather_into_tensor[dp_shard]
 mm bfloat16""")
     tc.assertExpectedInline(backward, """\
 mm bfloat16
 mm bfloat16
 reduce_scatter_tensor[dp_shard] avg float32
-wait_tensor
+wait reduce_scatter_tensor[dp_shard]
 mm bfloat16
 reduce_scatter_tensor[dp_shard] avg float32
-wait_tensor
+wait reduce_scatter_tensor[dp_shard]
 mm bfloat16
 reduce_scatter_tensor[dp_shard] avg float32
-wait_tensor""")
+wait reduce_scatter_tensor[dp_shard]""")
 
 
 def test_hybrid_reduce_scatters_then_all_reduces_in_param_dtype(tc):
@@ -87,33 +87,33 @@ def test_hybrid_reduce_scatters_then_all_reduces_in_param_dtype(tc):
     forward, backward = _mlp_graphs(mesh, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
     tc.assertExpectedInline(forward, """\
 all_gather_into_tensor[dp_shard] bfloat16
-wait_tensor
+wait all_gather_into_tensor[dp_shard]
 mm bfloat16
 all_gather_into_tensor[dp_shard] bfloat16
-wait_tensor
+wait all_gather_into_tensor[dp_shard]
 mm bfloat16
 all_gather_into_tensor[dp_shard] bfloat16
-wait_tensor
+wait all_gather_into_tensor[dp_shard]
 mm bfloat16""")
     tc.assertExpectedInline(backward, """\
 mm bfloat16
 all_gather_into_tensor[dp_shard] bfloat16
-wait_tensor
+wait all_gather_into_tensor[dp_shard]
 mm bfloat16
 reduce_scatter_tensor[dp_shard] avg bfloat16
-wait_tensor
+wait reduce_scatter_tensor[dp_shard]
 all_reduce[dp_replicate] avg bfloat16
-wait_tensor
+wait all_reduce[dp_replicate]
 mm bfloat16
 reduce_scatter_tensor[dp_shard] avg bfloat16
-wait_tensor
+wait reduce_scatter_tensor[dp_shard]
 all_reduce[dp_replicate] avg bfloat16
-wait_tensor
+wait all_reduce[dp_replicate]
 mm bfloat16
 reduce_scatter_tensor[dp_shard] avg bfloat16
-wait_tensor
+wait reduce_scatter_tensor[dp_shard]
 all_reduce[dp_replicate] avg bfloat16
-wait_tensor""")
+wait all_reduce[dp_replicate]""")
 
 
 def test_hybrid_reduces_in_reduce_dtype(fake_world):
@@ -134,13 +134,13 @@ mm float32""")
 mm float32
 mm float32
 all_reduce[dp_replicate] avg float32
-wait_tensor
+wait all_reduce[dp_replicate]
 mm float32
 all_reduce[dp_replicate] avg float32
-wait_tensor
+wait all_reduce[dp_replicate]
 mm float32
 all_reduce[dp_replicate] avg float32
-wait_tensor""")
+wait all_reduce[dp_replicate]""")
 
 
 def test_transformer_gathers_every_parameter_once_per_pass(fake_world):

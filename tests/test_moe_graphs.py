@@ -45,7 +45,7 @@ def _moe_layer_graphs(shape, names, ep, passes=(), waits=False) -> tuple[str, st
     x = torch.randn(2, 16, CFG.dim, requires_grad=True)
     with captured_graphs(model, passes) as graphs:
         torch.compile(model, fullgraph=True)(x).sum().backward()
-    forward, backward = ("\n".join(line for line in g if waits or line != "wait_tensor") for g in graphs)
+    forward, backward = ("\n".join(line for line in g if waits or not line.startswith("wait")) for g in graphs)
     return forward, backward
 
 

@@ -20,14 +20,25 @@ from simplefsdp.models.llama import Transformer, TransformerConfig, cross_entrop
 from simplefsdp.models.moe import MOE_CONFIGS, MoE, moe_transformer
 from simplefsdp.models.parallelize import apply_tensor_parallel
 from simplefsdp.passes.a2a_overlap import AllToAllOverlap
-from simplefsdp.passes.fsdp_bucketing import FSDPBucketing, block_of, plan_buckets
-from simplefsdp.passes.fx_utils import reorder
+from simplefsdp.passes.fsdp_bucketing import FSDPBucketing, plan_buckets
+from simplefsdp.passes.fx_utils import block_of, reorder
 from tests import training as T
 from tests.graphs import captured_graphs
 
 
 def _collectives(graph: list[str]) -> str:
     return "\n".join(line for line in graph if "[" in line)
+
+
+def _runs(graph: list[str]) -> str:
+    """The graph's lines, with each run of consecutive matmuls shown as one ``N matmuls`` line."""
+    out = []
+    for line in graph:
+        if line.startswith(("mm", "addmm", "bmm")):
+            count = int(out.pop().split()[0]) if out and out[-1].endswith(" matmuls") else 0
+            line = f"{count + 1} matmuls"
+        out.append(line)
+    return "\n".join(out)
 
 
 def _graphs(model, tokens, graph_passes):
@@ -50,16 +61,19 @@ def _kinds(options) -> list:
 
 
 def test_compile_options():
-    assert _kinds(passes.compile_options()) == [("reduce_scatter",), "AllToAllOverlap"]
-    assert _kinds(passes.compile_options(bucketing="all")) == [("all_gather", "reduce_scatter"), "AllToAllOverlap"]
-    assert _kinds(passes.compile_options(bucketing="none")) == ["AllToAllOverlap"]
-    assert passes.compile_options(bucketing="none", a2a_overlap=False) == {"post_grad_custom_post_pass": None}
+    assert _kinds(passes.compile_options()) == [("reduce_scatter",), "AllToAllOverlap", "FSDPPrefetch"]
+    assert _kinds(passes.compile_options(bucketing="all", prefetch=0)) == [("all_gather", "reduce_scatter"), "AllToAllOverlap"]
+    assert _kinds(passes.compile_options(bucketing="none", a2a_overlap=False)) == ["FSDPPrefetch"]
+    assert passes.compile_options(prefetch=2)["post_grad_custom_post_pass"].passes[-1].in_flight == 2
+    assert passes.compile_options(bucketing="none", a2a_overlap=False, prefetch=0) == {"post_grad_custom_post_pass": None}
     with pytest.raises(ValueError, match="bucket_cap_mb must be positive; got 0"):
         passes.compile_options(bucket_cap_mb=0)
     with pytest.raises(ValueError, match=r"bucketing must be one of \('all', 'reduce_scatter', 'none'\); got True"):
         passes.compile_options(bucketing=True)
     with pytest.raises(ValueError, match="a2a_overlap must be True or False; got 'yes'"):
         passes.compile_options(a2a_overlap="yes")
+    with pytest.raises(ValueError, match=r"prefetch must be an int >= 0 \(blocks in flight; 0: off\); got -1"):
+        passes.compile_options(prefetch=-1)
 
 
 class _UserPass(torch._inductor.custom_graph_pass.CustomGraphPass):
@@ -84,7 +98,7 @@ def test_install_keeps_the_users_pass():
         chain(torch.fx.Graph())
         assert user.calls == 1
         assert passes.compile_options()["post_grad_custom_post_pass"].user_pass is user
-        assert passes.compile_options(bucketing="none", a2a_overlap=False) == {"post_grad_custom_post_pass": user}
+        assert passes.compile_options(bucketing="none", a2a_overlap=False, prefetch=0) == {"post_grad_custom_post_pass": user}
         assert chain.uuid() != passes.SimpleFSDPPasses().uuid()  # the user's pass is in the cache key
     with torch._inductor.config.patch(post_grad_custom_post_pass=lambda graph: None):
         passes.install()
@@ -116,15 +130,24 @@ def test_dense_blocks_get_one_bucket_each(tc):
     forward, backward = _graphs(model, tokens, [FSDPBucketing()])
     tc.assertExpectedInline(_collectives(forward), """\
 all_gather_into_tensor[dp_shard] float32
+wait all_gather_into_tensor[dp_shard]
 all_gather_into_tensor[dp_shard] float32
-all_gather_into_tensor[dp_shard] float32""")
+wait all_gather_into_tensor[dp_shard]
+all_gather_into_tensor[dp_shard] float32
+wait all_gather_into_tensor[dp_shard]""")
     tc.assertExpectedInline(_collectives(backward), """\
 all_gather_into_tensor[dp_shard] float32
+wait all_gather_into_tensor[dp_shard]
 all_gather_into_tensor[dp_shard] float32
+wait all_gather_into_tensor[dp_shard]
 reduce_scatter_tensor[dp_shard] avg float32
+wait reduce_scatter_tensor[dp_shard]
 all_gather_into_tensor[dp_shard] float32
+wait all_gather_into_tensor[dp_shard]
 reduce_scatter_tensor[dp_shard] avg float32
-reduce_scatter_tensor[dp_shard] avg float32""")
+wait reduce_scatter_tensor[dp_shard]
+reduce_scatter_tensor[dp_shard] avg float32
+wait reduce_scatter_tensor[dp_shard]""")
 
 
 def test_moe_block_gets_a_dense_and_an_expert_bucket(tc):
@@ -145,22 +168,38 @@ def test_moe_block_gets_a_dense_and_an_expert_bucket(tc):
     assert count(forward, "all_gather_into_tensor") == 4
     tc.assertExpectedInline(_collectives(forward), """\
 all_gather_into_tensor[dp_shard] float32
+wait all_gather_into_tensor[dp_shard]
 all_gather_into_tensor[dp_shard] float32
+wait all_gather_into_tensor[dp_shard]
 all_gather_into_tensor[dp_shard] float32
+wait all_gather_into_tensor[dp_shard]
 all_to_all_single[ep] int32
+wait all_to_all_single[ep]
 all_to_all_single[ep] float32
+wait all_to_all_single[ep]
 all_gather_into_tensor[edp] float32
-all_to_all_single[ep] float32""")
+wait all_gather_into_tensor[edp]
+all_to_all_single[ep] float32
+wait all_to_all_single[ep]""")
     tc.assertExpectedInline(_collectives(backward), """\
 all_gather_into_tensor[dp_shard] float32
+wait all_gather_into_tensor[dp_shard]
 all_to_all_single[ep] float32
+wait all_to_all_single[ep]
 reduce_scatter_tensor[edp] sum float32
+wait reduce_scatter_tensor[edp]
 all_to_all_single[ep] float32
+wait all_to_all_single[ep]
 all_gather_into_tensor[dp_shard] float32
+wait all_gather_into_tensor[dp_shard]
 reduce_scatter_tensor[dp_shard] avg float32
+wait reduce_scatter_tensor[dp_shard]
 all_gather_into_tensor[dp_shard] float32
+wait all_gather_into_tensor[dp_shard]
 reduce_scatter_tensor[dp_shard] avg float32
-reduce_scatter_tensor[dp_shard] avg float32""")
+wait reduce_scatter_tensor[dp_shard]
+reduce_scatter_tensor[dp_shard] avg float32
+wait reduce_scatter_tensor[dp_shard]""")
 
 
 @pytest.mark.slow
@@ -193,7 +232,7 @@ def _neutrality_body(run: str, bucketing: str):
     cfg, shape, names, ep = RUNS[run]
     out = {}
     for name, options in (
-        ("plain", passes.compile_options(bucketing="none", a2a_overlap=False)),
+        ("plain", passes.compile_options(bucketing="none", a2a_overlap=False, prefetch=0)),
         ("passes", passes.compile_options(bucketing=bucketing)),
     ):
         torch._dynamo.reset()
@@ -245,62 +284,62 @@ def test_a2a_overlap_moe_layer(tc):
     forward, backward = _moe_layer_graphs((8,), ("dp_shard",), 2, passes=[AllToAllOverlap()], waits=True)
     tc.assertExpectedInline(forward, """\
 all_gather_into_tensor[dp_shard] float32
-wait_tensor
+wait all_gather_into_tensor[dp_shard]
 mm float32
 all_to_all_single[ep] int32
-wait_tensor
-wait_tensor
+wait all_to_all_single[ep]
+wait ?
 all_to_all_single[ep] float32
 all_gather_into_tensor[dp_shard] float32
-wait_tensor
+wait all_gather_into_tensor[dp_shard]
 all_gather_into_tensor[dp_shard] float32
-wait_tensor
+wait all_gather_into_tensor[dp_shard]
 all_gather_into_tensor[dp_shard] float32
-wait_tensor
+wait all_gather_into_tensor[dp_shard]
 bmm float32
 bmm float32
-wait_tensor
+wait all_to_all_single[ep]
 all_gather_into_tensor[edp] float32
-wait_tensor
+wait all_gather_into_tensor[edp]
 all_gather_into_tensor[edp] float32
-wait_tensor
+wait all_gather_into_tensor[edp]
 all_gather_into_tensor[edp] float32
-wait_tensor
+wait all_gather_into_tensor[edp]
 bmm float32
 bmm float32
 bmm float32
 all_to_all_single[ep] float32
 bmm float32
-wait_tensor""")
+wait all_to_all_single[ep]""")
     tc.assertExpectedInline(backward, """\
 all_to_all_single[ep] float32
 bmm float32
 bmm float32
-wait_tensor
+wait all_to_all_single[ep]
 bmm float32
 bmm float32
 bmm float32
 reduce_scatter_tensor[edp] sum float32
-wait_tensor
+wait reduce_scatter_tensor[edp]
 reduce_scatter_tensor[edp] sum float32
-wait_tensor
+wait reduce_scatter_tensor[edp]
 reduce_scatter_tensor[edp] sum float32
-wait_tensor
+wait reduce_scatter_tensor[edp]
 all_to_all_single[ep] float32
 bmm float32
 reduce_scatter_tensor[dp_shard] avg float32
-wait_tensor
+wait reduce_scatter_tensor[dp_shard]
 reduce_scatter_tensor[dp_shard] avg float32
-wait_tensor
+wait reduce_scatter_tensor[dp_shard]
 reduce_scatter_tensor[dp_shard] avg float32
-wait_tensor
-wait_tensor
+wait reduce_scatter_tensor[dp_shard]
+wait all_to_all_single[ep]
 mm float32
 all_gather_into_tensor[dp_shard] float32
-wait_tensor
+wait all_gather_into_tensor[dp_shard]
 addmm float32
 reduce_scatter_tensor[dp_shard] avg float32
-wait_tensor""")
+wait reduce_scatter_tensor[dp_shard]""")
 
 
 @pytest.mark.slow
@@ -312,66 +351,66 @@ def test_a2a_overlap_moe_layer_fsdp2_tp2_ep2(tc):
     forward, backward = _moe_layer_graphs((4, 2), ("dp_shard", "tp"), 2, passes=[AllToAllOverlap()], waits=True)
     tc.assertExpectedInline(forward, """\
 all_gather_into_tensor[dp_shard] float32
-wait_tensor
+wait all_gather_into_tensor[dp_shard]
 mm float32
 all_to_all_single[ep] int32
-wait_tensor
-wait_tensor
+wait all_to_all_single[ep]
+wait ?
 all_to_all_single[ep] float32
 all_gather_into_tensor[dp_shard] float32
-wait_tensor
+wait all_gather_into_tensor[dp_shard]
 all_gather_into_tensor[dp_shard] float32
-wait_tensor
+wait all_gather_into_tensor[dp_shard]
 all_gather_into_tensor[dp_shard] float32
-wait_tensor
+wait all_gather_into_tensor[dp_shard]
 bmm float32
 bmm float32
-wait_tensor
+wait all_to_all_single[ep]
 all_gather_into_tensor[edp] float32
-wait_tensor
+wait all_gather_into_tensor[edp]
 all_gather_into_tensor[edp] float32
-wait_tensor
+wait all_gather_into_tensor[edp]
 all_gather_into_tensor[edp] float32
-wait_tensor
+wait all_gather_into_tensor[edp]
 bmm float32
 bmm float32
 bmm float32
 all_to_all_single[ep] float32
 bmm float32
-wait_tensor
+wait all_to_all_single[ep]
 all_gather_into_tensor[tp] float32
-wait_tensor""")
+wait all_gather_into_tensor[tp]""")
     tc.assertExpectedInline(backward, """\
 all_to_all_single[ep] float32
 bmm float32
 bmm float32
-wait_tensor
+wait all_to_all_single[ep]
 bmm float32
 bmm float32
 bmm float32
 reduce_scatter_tensor[edp] sum float32
-wait_tensor
+wait reduce_scatter_tensor[edp]
 reduce_scatter_tensor[edp] sum float32
-wait_tensor
+wait reduce_scatter_tensor[edp]
 reduce_scatter_tensor[edp] sum float32
-wait_tensor
+wait reduce_scatter_tensor[edp]
 all_to_all_single[ep] float32
 bmm float32
 reduce_scatter_tensor[dp_shard] avg float32
-wait_tensor
+wait reduce_scatter_tensor[dp_shard]
 reduce_scatter_tensor[dp_shard] avg float32
-wait_tensor
+wait reduce_scatter_tensor[dp_shard]
 reduce_scatter_tensor[dp_shard] avg float32
-wait_tensor
-wait_tensor
+wait reduce_scatter_tensor[dp_shard]
+wait all_to_all_single[ep]
 all_gather_into_tensor[tp] float32
-wait_tensor
+wait all_gather_into_tensor[tp]
 mm float32
 all_gather_into_tensor[dp_shard] float32
-wait_tensor
+wait all_gather_into_tensor[dp_shard]
 addmm float32
 reduce_scatter_tensor[dp_shard] avg float32
-wait_tensor""")
+wait reduce_scatter_tensor[dp_shard]""")
 
 
 @pytest.mark.slow
@@ -383,80 +422,80 @@ def test_a2a_overlap_moe_layer_hsdp2x2_tp2_ep2(tc):
     )
     tc.assertExpectedInline(forward, """\
 all_gather_into_tensor[dp_shard] float32
-wait_tensor
+wait all_gather_into_tensor[dp_shard]
 mm float32
 all_to_all_single[ep] int32
-wait_tensor
-wait_tensor
+wait all_to_all_single[ep]
+wait ?
 all_to_all_single[ep] float32
 all_gather_into_tensor[dp_shard] float32
-wait_tensor
+wait all_gather_into_tensor[dp_shard]
 all_gather_into_tensor[dp_shard] float32
-wait_tensor
+wait all_gather_into_tensor[dp_shard]
 all_gather_into_tensor[dp_shard] float32
-wait_tensor
+wait all_gather_into_tensor[dp_shard]
 bmm float32
 bmm float32
-wait_tensor
+wait all_to_all_single[ep]
 all_gather_into_tensor[edp] float32
-wait_tensor
+wait all_gather_into_tensor[edp]
 all_gather_into_tensor[edp] float32
-wait_tensor
+wait all_gather_into_tensor[edp]
 all_gather_into_tensor[edp] float32
-wait_tensor
+wait all_gather_into_tensor[edp]
 bmm float32
 bmm float32
 bmm float32
 all_to_all_single[ep] float32
 bmm float32
-wait_tensor
+wait all_to_all_single[ep]
 all_gather_into_tensor[tp] float32
-wait_tensor""")
+wait all_gather_into_tensor[tp]""")
     tc.assertExpectedInline(backward, """\
 all_to_all_single[ep] float32
 bmm float32
 bmm float32
-wait_tensor
+wait all_to_all_single[ep]
 bmm float32
 bmm float32
 bmm float32
 reduce_scatter_tensor[edp] sum float32
-wait_tensor
+wait reduce_scatter_tensor[edp]
 reduce_scatter_tensor[edp] sum float32
-wait_tensor
+wait reduce_scatter_tensor[edp]
 reduce_scatter_tensor[edp] sum float32
-wait_tensor
+wait reduce_scatter_tensor[edp]
 all_to_all_single[ep] float32
 bmm float32
 reduce_scatter_tensor[dp_shard] avg float32
-wait_tensor
+wait reduce_scatter_tensor[dp_shard]
 all_reduce[dp_replicate] avg float32
-wait_tensor
+wait all_reduce[dp_replicate]
 reduce_scatter_tensor[dp_shard] avg float32
-wait_tensor
+wait reduce_scatter_tensor[dp_shard]
 all_reduce[dp_replicate] avg float32
-wait_tensor
+wait all_reduce[dp_replicate]
 reduce_scatter_tensor[dp_shard] avg float32
-wait_tensor
+wait reduce_scatter_tensor[dp_shard]
 all_reduce[dp_replicate] avg float32
-wait_tensor
+wait all_reduce[dp_replicate]
 all_reduce[dp_replicate] sum float32
-wait_tensor
+wait all_reduce[dp_replicate]
 all_reduce[dp_replicate] sum float32
-wait_tensor
+wait all_reduce[dp_replicate]
 all_reduce[dp_replicate] sum float32
-wait_tensor
-wait_tensor
+wait all_reduce[dp_replicate]
+wait all_to_all_single[ep]
 all_gather_into_tensor[tp] float32
-wait_tensor
+wait all_gather_into_tensor[tp]
 mm float32
 all_gather_into_tensor[dp_shard] float32
-wait_tensor
+wait all_gather_into_tensor[dp_shard]
 addmm float32
 reduce_scatter_tensor[dp_shard] avg float32
-wait_tensor
+wait reduce_scatter_tensor[dp_shard]
 all_reduce[dp_replicate] avg float32
-wait_tensor""")
+wait all_reduce[dp_replicate]""")
 
 
 def test_trace_records_the_pass_plans(fake_world, tmp_path):
@@ -486,3 +525,42 @@ def test_trace_records_the_pass_plans(fake_world, tmp_path):
     assert t.report == str(tmp_path / "tlparse" / "index.html")
     assert sum(name.startswith("simplefsdp_fsdp_buckets") for name in rendered) == 2, rendered
     assert sum(name.startswith("simplefsdp_a2a_overlap") for name in rendered) == 2, rendered
+
+
+def test_prefetch_dense_blocks(tc):
+    """FSDP8, 2 blocks, all-gathers bucketed per block: each block's gather is issued before the
+    previous block's wait, and each reduce-scatter is waited on one block later."""
+    from simplefsdp.passes.fsdp_prefetch import FSDPPrefetch
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = simple_fsdp(Transformer(TransformerConfig(n_layers=2)), init_device_mesh("cpu", (8,), mesh_dim_names=("dp_shard",)))
+    tokens = torch.randint(0, 256, (2, 8))
+    forward, backward = _graphs(model, tokens, [FSDPBucketing(), FSDPPrefetch()])
+    tc.assertExpectedInline(_runs(forward), """\
+all_gather_into_tensor[dp_shard] float32
+all_gather_into_tensor[dp_shard] float32
+wait all_gather_into_tensor[dp_shard]
+all_gather_into_tensor[dp_shard] float32
+wait all_gather_into_tensor[dp_shard]
+7 matmuls
+wait all_gather_into_tensor[dp_shard]
+8 matmuls""")
+    tc.assertExpectedInline(_runs(backward), """\
+1 matmuls
+all_gather_into_tensor[dp_shard] float32
+all_gather_into_tensor[dp_shard] float32
+wait all_gather_into_tensor[dp_shard]
+2 matmuls
+wait all_gather_into_tensor[dp_shard]
+13 matmuls
+reduce_scatter_tensor[dp_shard] avg float32
+all_gather_into_tensor[dp_shard] float32
+1 matmuls
+wait all_gather_into_tensor[dp_shard]
+13 matmuls
+wait reduce_scatter_tensor[dp_shard]
+reduce_scatter_tensor[dp_shard] avg float32
+wait reduce_scatter_tensor[dp_shard]
+reduce_scatter_tensor[dp_shard] avg float32
+wait reduce_scatter_tensor[dp_shard]""")

@@ -1,0 +1,115 @@
+"""FSDP prefetch: issue a block's all-gathers while the block before it computes; let its
+reduce-scatters finish while the next block computes.
+
+As traced, each block's parameters are gathered right before the block uses them and each
+gradient's reduce-scatter is waited on right after it starts, so the compute stream stalls on
+every collective. This post-grad pass moves, per block (the blocks of :func:`fx_utils.block_of`,
+taken in the order the graph first gathers them, so backward's reversed order too):
+
+* each block's all-gathers (with the casts and pads that make their inputs) up to just before
+  the first all-gather wait of the block ``in_flight`` blocks earlier; the waits stay where the
+  parameters are first used. Forward, ``in_flight=1``, blocks 0, 1, 2::
+
+      ag0 wait0 compute0 ag1 wait1 compute1 ag2 wait2 compute2
+      ->  ag0 ag1 wait0 compute0 ag2 wait1 compute1 wait2 compute2
+
+* each block's reduce-scatter waits down to just before the first reduce-scatter of the block
+  ``in_flight`` blocks later (the last blocks' to the end), so at most ``in_flight + 1`` blocks'
+  gradients are in flight::
+
+      rs2 wait2 compute1 rs1 wait1 compute0 rs0 wait0  ->  rs2 compute1 wait2 rs1 compute0 wait1 rs0 wait0
+
+Only gathers of parameters move (their inputs derive from graph inputs alone; a gather of
+activations, such as tensor parallel's after an expert combine, stays). Memory: up to
+``in_flight`` extra blocks of gathered parameters, and of unreduced gradients. Only the order
+changes, through :func:`fx_utils.reorder`, which keeps every dependency and each process group's
+sequence of collectives. The plan (per block, where its gathers were issued and where its
+reduce-scatters were waited on) is written to the structured trace as ``simplefsdp_fsdp_prefetch``.
+"""
+
+from __future__ import annotations
+
+import json
+
+import torch
+from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
+from torch._logging import trace_structured
+
+from simplefsdp.passes import fx_utils
+from simplefsdp.passes.fx_utils import collective_sequences, input_closure, node_block, op_name, reorder
+
+ARTIFACT = "simplefsdp_fsdp_prefetch"
+
+
+def _blocks(graph: torch.fx.Graph, names: tuple[str, ...]) -> dict[str, list[torch.fx.Node]]:
+    """Collectives named ``names`` (parameter gathers only, for all-gathers) per block, in graph order."""
+    out: dict[str, list[torch.fx.Node]] = {}
+    for node in graph.nodes:
+        name = op_name(node)
+        if name not in names:
+            continue
+        if name.startswith("all_gather") and input_closure([node]) is None:
+            continue
+        out.setdefault(node_block(node), []).append(node)
+    return out
+
+
+def _wait(start: torch.fx.Node) -> torch.fx.Node | None:
+    waits = [u for u in start.users if op_name(u) == "wait_tensor"]
+    return waits[0] if waits else None
+
+
+class FSDPPrefetch(CustomGraphPass):
+    """Gather each block's parameters ``in_flight`` blocks ahead; drain its reduce-scatters behind."""
+
+    GATHERS = ("all_gather_into_tensor", "all_gather_into_tensor_out")
+    REDUCE_SCATTERS = ("reduce_scatter_tensor", "reduce_scatter_tensor_out")
+
+    def __init__(self, in_flight: int = 1):
+        if not isinstance(in_flight, int) or in_flight < 1:
+            raise ValueError(f"prefetch in_flight must be a positive int; got {in_flight!r}")
+        self.in_flight = in_flight
+
+    def __call__(self, graph: torch.fx.Graph) -> None:
+        position = {n: i for i, n in enumerate(graph.nodes)}
+        keys, plan = {}, []
+        gathers = list(_blocks(graph, self.GATHERS).items())
+        for i, (block, starts) in enumerate(gathers[self.in_flight:], start=self.in_flight):
+            earlier = [w for w in map(_wait, gathers[i - self.in_flight][1]) if w is not None]
+            if not earlier:
+                continue
+            first_wait = min(earlier, key=position.__getitem__)
+            anchor = position[first_wait]
+            inputs = sorted(input_closure(starts), key=position.__getitem__)
+            for j, node in enumerate([*inputs, *starts]):
+                if position[node] > anchor:
+                    keys[node] = (anchor, -1, j)
+            plan.append({"block": block, "all_gathers": len(starts), "issued_before": first_wait.name})
+        reductions = list(_blocks(graph, self.REDUCE_SCATTERS).items())
+        for i, (block, starts) in enumerate(reductions):
+            later = reductions[i + self.in_flight][1][0] if i + self.in_flight < len(reductions) else None
+            for start in starts:
+                wait = _wait(start)
+                if wait is None:
+                    continue
+                # its users (splits of a bucket, the HSDP all-reduce, output) follow it there
+                target = len(position) if later is None else position[later]
+                if target > position[wait]:
+                    keys[wait] = (target, -1, position[wait])
+            plan.append({"block": block, "reduce_scatters": len(starts),
+                         "waited_before": "end" if later is None else later.name})
+        trace_structured(
+            "artifact",
+            metadata_fn=lambda: {"name": ARTIFACT, "encoding": "json"},
+            payload_fn=lambda: json.dumps(plan),
+        )
+        if not keys:
+            return
+        before = collective_sequences(graph)
+        reorder(graph, keys)
+        if collective_sequences(graph) != before:
+            raise AssertionError("FSDPPrefetch changed the order of a process group's collectives")
+
+    def uuid(self) -> bytes:
+        return get_hash_for_files((__file__, fx_utils.__file__), extra=repr(self.in_flight))
+
