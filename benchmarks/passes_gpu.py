@@ -112,7 +112,11 @@ def run(cfg: MoEConfig, device: str, ep: int, options: dict, steps: int, seq: in
         model.zero_grad()
         sync()
         t0 = time.perf_counter()
-        step()
+        try:
+            step()
+        except (RuntimeError, torch.OutOfMemoryError):  # a later step drew unusable counts
+            times = []
+            break
         sync()
         times.append(time.perf_counter() - t0)
     events = [code_events(c) for c in codes if "def call(" in c]

@@ -19,7 +19,9 @@ up projections with the dispatch, the down projection with the combine). A node 
 matmuls goes with the later one; nodes after the last matmul go with the last chunk. A node that
 depends on an all-to-all, or that one depends on, never moves. Only the order changes, through
 :func:`fx_utils.reorder`, so every data dependency holds, and each process group's sequence
-of collectives is checked to be unchanged. The plan (per layer: each all-to-all and the matmuls
+of collectives is checked to be unchanged. The matmuls are then pinned between the all-to-all's
+start and its wait (:func:`fx_utils.pin_after`): from FX order alone, Inductor's GPU scheduler
+moved them out of the window again in backward. The plan (per layer: each all-to-all and the matmuls
 placed under it) is written to the structured trace as ``simplefsdp_a2a_overlap``.
 """
 
@@ -33,6 +35,7 @@ from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_file
 from torch._logging import trace_structured
 
 from simplefsdp.passes import fx_utils
+from simplefsdp.passes.fx_utils import pin_after
 from simplefsdp.passes.fx_utils import collective_sequences, module_path, op_name, reorder
 
 ARTIFACT = "simplefsdp_a2a_overlap"
@@ -101,7 +104,7 @@ class AllToAllOverlap(CustomGraphPass):
 
     def __call__(self, graph: torch.fx.Graph) -> None:
         position = {n: i for i, n in enumerate(graph.nodes)}
-        keys, plan = {}, []
+        keys, plan, pins, wait_pins = {}, [], {}, {}
         for layer, starts, shared in self._layers(graph):
             linked = _closure(starts, lambda n: n.all_input_nodes) | _closure(starts, lambda n: n.users)
             movable = [n for n in shared if n not in linked]
@@ -110,6 +113,10 @@ class AllToAllOverlap(CustomGraphPass):
                 wait = _wait_of(start)
                 for i, node in enumerate(chunk):  # just before the wait, in their own order
                     keys[node] = (position[wait], -1, i)
+                matmuls = [n for n in chunk if op_name(n) in MATMULS]
+                if matmuls:
+                    pins.update({m: [start] for m in matmuls})  # the matmuls, before the wait
+                    wait_pins[wait] = matmuls
                 record["all_to_alls"].append({
                     "all_to_all": start.name,
                     "wait": wait.name,
@@ -128,6 +135,7 @@ class AllToAllOverlap(CustomGraphPass):
         reorder(graph, keys)
         if collective_sequences(graph) != before:
             raise AssertionError("AllToAllOverlap changed the order of a process group's collectives")
+        pin_after(graph, {**pins, **wait_pins})
 
     def uuid(self) -> bytes:
         return get_hash_for_files((__file__, fx_utils.__file__), extra=repr(self.shared))

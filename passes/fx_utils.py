@@ -136,3 +136,19 @@ def reorder(graph: torch.fx.Graph, keys: dict[torch.fx.Node, tuple]) -> None:
     output = graph.output_node()
     for node in order:  # each moves to the end, just before the output
         output.prepend(node)
+
+
+def pin_after(graph: torch.fx.Graph, after: dict[torch.fx.Node, list[torch.fx.Node]]) -> None:
+    """Make Inductor schedule each key node after the listed nodes (FX order alone is a hint).
+
+    Uses Inductor's control dependencies (``control_deps``, wrapping the node) where this torch
+    has them; elsewhere the FX order stands. A key node may be listed after an earlier key node:
+    the earlier is wrapped first (dict order) and the later refers to its wrapped form.
+    """
+    try:
+        from torch._inductor.fx_passes.control_dependencies import preserve_node_ordering
+        from torch.utils._ordered_set import OrderedSet
+    except ImportError:
+        return
+    if after:
+        preserve_node_ordering(graph, {node: OrderedSet(deps) for node, deps in after.items()})

@@ -39,9 +39,15 @@ def describe(graph: torch.fx.Graph, group_names: dict[str, str]) -> list[str]:
     ``wait op[group]`` (what it waits for), ``mm dtype``."""
     lines, started = [], {}
     for node in graph.nodes:
-        if node.op != "call_function" or not hasattr(node.target, "_opname"):
+        if node.op != "call_function":
             continue
-        name = node.target._opname
+        target, args = node.target, node.args
+        if getattr(target, "__name__", "") == "control_deps":  # a node a pass pinned in order
+            subgraph = getattr(graph.owning_module, args[1].target).graph
+            target, args = next(n.target for n in subgraph.nodes if n.op == "call_function"), args[2:]
+        if not hasattr(target, "_opname"):
+            continue
+        name = target._opname
         if name in COLLECTIVES:
             group = node.args[COLLECTIVES[name]]
             extra = f" {node.args[1]}" if name.startswith(("reduce_scatter", "all_reduce")) else ""
@@ -49,7 +55,7 @@ def describe(graph: torch.fx.Graph, group_names: dict[str, str]) -> list[str]:
             started[node] = f"{shown}[{group_names.get(group, group)}]"
             lines.append(f"{started[node]}{extra} {_dtype(node.args[0])}")
         elif name == "wait_tensor":
-            lines.append(f"wait {started.get(node.args[0], '?')}")
+            lines.append(f"wait {started.get(args[0], '?')}")
         elif name in MATMULS:
             lines.append(f"{name} {_dtype(node)}")
     return lines
