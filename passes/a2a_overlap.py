@@ -104,7 +104,7 @@ class AllToAllOverlap(CustomGraphPass):
 
     def __call__(self, graph: torch.fx.Graph) -> None:
         position = {n: i for i, n in enumerate(graph.nodes)}
-        keys, plan, pins, wait_pins = {}, [], {}, {}
+        keys, plan, windows = {}, [], []
         for layer, starts, shared in self._layers(graph):
             linked = _closure(starts, lambda n: n.all_input_nodes) | _closure(starts, lambda n: n.users)
             movable = [n for n in shared if n not in linked]
@@ -114,28 +114,31 @@ class AllToAllOverlap(CustomGraphPass):
                 for i, node in enumerate(chunk):  # just before the wait, in their own order
                     keys[node] = (position[wait], -1, i)
                 matmuls = [n for n in chunk if op_name(n) in MATMULS]
-                if matmuls:
-                    pins.update({m: [start] for m in matmuls})  # the matmuls, before the wait
-                    wait_pins[wait] = matmuls
-                record["all_to_alls"].append({
-                    "all_to_all": start.name,
-                    "wait": wait.name,
-                    "overlapped_matmuls": [n.name for n in chunk if op_name(n) in MATMULS],
-                    "moved_nodes": len(chunk),
-                })
+                windows.append((start, wait, matmuls))
+                record["all_to_alls"].append({"all_to_all": start.name, "wait": wait.name, "matmuls": matmuls})
             plan.append(record)
+        if keys:
+            before = collective_sequences(graph)
+            reorder(graph, keys)
+            if collective_sequences(graph) != before:
+                raise AssertionError("AllToAllOverlap changed the order of a process group's collectives")
+        # a matmul whose inputs are only ready after the wait stays there; pin those that made it
+        position = {n: i for i, n in enumerate(graph.nodes)}
+        pins, wait_pins = {}, {}
+        for start, wait, matmuls in windows:
+            inside = [m for m in matmuls if position[start] < position[m] < position[wait]]
+            pins.update({m: [start] for m in inside})
+            if inside:
+                wait_pins[wait] = inside
+        for record in plan:
+            for window in record["all_to_alls"]:
+                window["overlapped_matmuls"] = [m.name for m in window.pop("matmuls") if m in pins]
         trace_structured(
             "artifact",
             metadata_fn=lambda: {"name": ARTIFACT, "encoding": "json"},
             payload_fn=lambda: json.dumps(plan),
         )
-        if not keys:
-            return
-        before = collective_sequences(graph)
-        reorder(graph, keys)
-        if collective_sequences(graph) != before:
-            raise AssertionError("AllToAllOverlap changed the order of a process group's collectives")
-        pin_after(graph, {**pins, **wait_pins})
+        pin_after(graph, {**pins, **wait_pins})  # matmuls first: the waits then refer to their pinned form
 
     def uuid(self) -> bytes:
         return get_hash_for_files((__file__, fx_utils.__file__), extra=repr(self.shared))

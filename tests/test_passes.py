@@ -258,7 +258,7 @@ def _assert_bitwise(run: str, bucketing: str):
     assert all(torch.equal(state[k], ref_state[k]) for k in state)
 
 
-@pytest.mark.parametrize("run", ["fsdp2", "fsdp2xep2", pytest.param("fsdp2xtp2xep2", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("run", ["fsdp2", *(pytest.param(r, marks=pytest.mark.slow) for r in ("fsdp2xep2", "fsdp2xtp2xep2"))])
 def test_default_passes_change_no_bit(run):
     """Reduce-scatter buckets and the all-to-all overlap: every loss and parameter is unchanged."""
     _assert_bitwise(run, passes.DEFAULT_BUCKETING)
