@@ -21,8 +21,8 @@ depends on an all-to-all, or that one depends on, never moves. Only the order ch
 :func:`fx_utils.reorder`, so every data dependency holds, and each process group's sequence
 of collectives is checked to be unchanged. The matmuls are then pinned between the all-to-all's
 start and its wait (:func:`fx_utils.pin_after`): from FX order alone, Inductor's GPU scheduler
-moved them out of the window again in backward. The plan (per layer: each all-to-all and the matmuls
-placed under it) is written to the structured trace as ``simplefsdp_a2a_overlap``.
+moved them out of the window again in backward. The plan (per layer: each all-to-all and the
+matmuls placed under it) is written to the structured trace as ``simplefsdp_a2a_overlap``.
 """
 
 from __future__ import annotations
@@ -35,8 +35,7 @@ from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_file
 from torch._logging import trace_structured
 
 from simplefsdp.passes import fx_utils
-from simplefsdp.passes.fx_utils import pin_after
-from simplefsdp.passes.fx_utils import collective_sequences, module_path, op_name, reorder
+from simplefsdp.passes.fx_utils import collective_sequences, module_path, op_name, pin_after, reorder, wait_of
 
 ARTIFACT = "simplefsdp_a2a_overlap"
 MATMULS = frozenset({"mm", "addmm", "bmm", "baddbmm", "_grouped_mm"})
@@ -44,10 +43,6 @@ MATMULS = frozenset({"mm", "addmm", "bmm", "baddbmm", "_grouped_mm"})
 
 def _floating_all_to_all(node: torch.fx.Node) -> bool:
     return op_name(node) == "all_to_all_single" and node.meta["val"].dtype.is_floating_point
-
-
-def _wait_of(start: torch.fx.Node) -> torch.fx.Node:
-    return next(u for u in start.users if op_name(u) == "wait_tensor")
 
 
 def _closure(nodes, step) -> set[torch.fx.Node]:
@@ -110,7 +105,9 @@ class AllToAllOverlap(CustomGraphPass):
             movable = [n for n in shared if n not in linked]
             record = {"layer": layer, "all_to_alls": []}
             for start, chunk in zip(starts, _chunks(movable, len(starts))):
-                wait = _wait_of(start)
+                wait = wait_of(start)
+                if wait is None:
+                    continue
                 for i, node in enumerate(chunk):  # just before the wait, in their own order
                     keys[node] = (position[wait], -1, i)
                 matmuls = [n for n in chunk if op_name(n) in MATMULS]

@@ -36,7 +36,7 @@ from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_file
 from torch._logging import trace_structured
 
 from simplefsdp.passes import fx_utils
-from simplefsdp.passes.fx_utils import collective_sequences, input_closure, node_block, op_name, reorder
+from simplefsdp.passes.fx_utils import collective_sequences, input_closure, node_block, op_name, reorder, wait_of
 
 ARTIFACT = "simplefsdp_fsdp_prefetch"
 
@@ -52,11 +52,6 @@ def _blocks(graph: torch.fx.Graph, names: tuple[str, ...]) -> dict[str, list[tor
             continue
         out.setdefault(node_block(node), []).append(node)
     return out
-
-
-def _wait(start: torch.fx.Node) -> torch.fx.Node | None:
-    waits = [u for u in start.users if op_name(u) == "wait_tensor"]
-    return waits[0] if waits else None
 
 
 class FSDPPrefetch(CustomGraphPass):
@@ -75,7 +70,7 @@ class FSDPPrefetch(CustomGraphPass):
         keys, plan = {}, []
         gathers = list(_blocks(graph, self.GATHERS).items())
         for i, (block, starts) in enumerate(gathers[self.in_flight:], start=self.in_flight):
-            earlier = [w for w in map(_wait, gathers[i - self.in_flight][1]) if w is not None]
+            earlier = [w for w in map(wait_of, gathers[i - self.in_flight][1]) if w is not None]
             if not earlier:
                 continue
             first_wait = min(earlier, key=position.__getitem__)
@@ -89,7 +84,7 @@ class FSDPPrefetch(CustomGraphPass):
         for i, (block, starts) in enumerate(reductions):
             later = reductions[i + self.in_flight][1][0] if i + self.in_flight < len(reductions) else None
             for start in starts:
-                wait = _wait(start)
+                wait = wait_of(start)
                 if wait is None:
                     continue
                 # its users (splits of a bucket, the HSDP all-reduce, output) follow it there

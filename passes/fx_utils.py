@@ -82,6 +82,11 @@ def input_closure(collectives: list[torch.fx.Node]) -> set[torch.fx.Node] | None
     return needed
 
 
+def wait_of(start: torch.fx.Node) -> torch.fx.Node | None:
+    """The ``wait_tensor`` on a collective's result, if the graph has one."""
+    return next((u for u in start.users if op_name(u) == "wait_tensor"), None)
+
+
 def collective_group(node: torch.fx.Node) -> str | None:
     """The process-group name a functional collective runs on, None for other nodes."""
     index = _GROUP_ARG.get(op_name(node) or "")

@@ -57,6 +57,27 @@ def _rank_main(rank, world_size, port, cache_root, results, fn, args):
         results.put((rank, "error", traceback.format_exc()))
 
 
+def _root_cause(rank: int, error: str, results, procs, grace: float = 5.0) -> str:
+    """The error to report when ``rank`` failed with ``error``.
+
+    A rank that only lost its connection (gloo: "Connection reset/closed by peer") failed because
+    another rank went first: give that one a moment to report its own traceback, or to show up
+    dead with an exit code (a crash in native code leaves no traceback), and report it too.
+    """
+    if "by peer" not in error:
+        return f"rank {rank} failed:\n{error}"
+    deadline = time.monotonic() + grace
+    while time.monotonic() < deadline:
+        try:
+            other, status, value = results.get(timeout=0.5)
+        except queue.Empty:
+            continue
+        if status == "error" and "by peer" not in value:
+            return f"rank {other} failed:\n{value}\n(rank {rank} then lost its connection)"
+    dead = {r: p.exitcode for r, p in enumerate(procs) if p.exitcode not in (None, 0)}
+    return f"rank {rank} failed:\n{error}\nranks that exited abnormally (rank: exit code): {dead or 'none yet'}"
+
+
 def run_ranks(fn, world_size: int, *args, timeout: float = 600.0) -> list:
     """``fn(*args)`` on ``world_size`` gloo ranks; the list of their return values, by rank.
 
@@ -87,7 +108,7 @@ def run_ranks(fn, world_size: int, *args, timeout: float = 600.0) -> list:
                     raise RuntimeError(f"rank {dead[0]} died with exit code {procs[dead[0]].exitcode}")
                 continue
             if status == "error":
-                raise RuntimeError(f"rank {rank} failed:\n{value}")
+                raise RuntimeError(_root_cause(rank, value, results, procs))
             outputs[rank] = pickle.loads(value)
     finally:
         for p in procs:

@@ -1,0 +1,25 @@
+"""The local CPU launcher: a crash on one rank is reported as that rank's, not as its peer's
+lost connection."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from simplefsdp.launch import run_ranks
+
+
+def _rank1_crashes():
+    import torch
+    import torch.distributed as dist
+
+    if dist.get_rank() == 1:
+        os._exit(7)  # like a crash in native code: no Python traceback
+    dist.all_reduce(torch.ones(1))
+
+
+def test_crashed_rank_is_named():
+    with pytest.raises(RuntimeError) as error:
+        run_ranks(_rank1_crashes, 2, timeout=120)
+    assert "{1: 7}" in str(error.value) or "rank 1 died with exit code 7" in str(error.value)
