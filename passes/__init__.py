@@ -2,9 +2,9 @@
 
 :class:`SimpleFSDPPasses` runs them in order on each post-grad graph: FSDP bucketing
 (:mod:`.fsdp_bucketing`), the all-to-all overlap (:mod:`.a2a_overlap`), FSDP prefetch
-(:mod:`.fsdp_prefetch`), then the pass the user had set, if any. ``simple_fsdp(...)`` calls :func:`install`, so a plain
-``torch.compile(model)`` runs them; :func:`compile_options` configures them (or turns them off)
-for one compile::
+(:mod:`.fsdp_prefetch`), then the pass the user had set, if any. ``simple_fsdp(...)`` calls
+:func:`install`, so a plain ``torch.compile(model)`` runs them; :func:`compile_options`
+configures them (or turns them off) for one compile::
 
     model = torch.compile(simple_fsdp(model, mesh, ep=2))            # defaults
     model = torch.compile(model, options=compile_options(bucketing="all", bucket_cap_mb=64))
