@@ -22,7 +22,6 @@ and bytes) as the structured-trace artifact ``simplefsdp_fsdp_buckets``, which t
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field, fields
 
 import torch
@@ -33,10 +32,9 @@ from torch._inductor.fx_passes.bucketing import (
     merge_all_gather_bucket,
     merge_reduce_scatter_bucket,
 )
-from torch._logging import trace_structured
 
 from simplefsdp.passes import fx_utils
-from simplefsdp.passes.fx_utils import BLOCK_META, input_closure, module_path, node_block
+from simplefsdp.passes.fx_utils import BLOCK_META, input_closure, module_path, node_block, record_plan
 
 ARTIFACT = "simplefsdp_fsdp_buckets"
 
@@ -124,11 +122,7 @@ class FSDPBucketing(CustomGraphPass):
 
     def __call__(self, graph: torch.fx.Graph) -> None:
         buckets = plan_buckets(graph, self.bucket_cap_mb, self.kinds)
-        trace_structured(
-            "artifact",
-            metadata_fn=lambda: {"name": ARTIFACT, "encoding": "json"},
-            payload_fn=lambda: json.dumps([b.record() for b in buckets]),
-        )
+        record_plan(ARTIFACT, [b.record() for b in buckets])
         for bucket in buckets:
             before = set(graph.nodes)
             if bucket.kind == "all_gather":

@@ -29,14 +29,12 @@ reduce-scatters were waited on) is written to the structured trace as ``simplefs
 
 from __future__ import annotations
 
-import json
 
 import torch
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
-from torch._logging import trace_structured
 
 from simplefsdp.passes import fx_utils
-from simplefsdp.passes.fx_utils import collective_sequences, input_closure, node_block, op_name, reorder, wait_of
+from simplefsdp.passes.fx_utils import input_closure, node_block, op_name, record_plan, reorder, wait_of
 
 ARTIFACT = "simplefsdp_fsdp_prefetch"
 
@@ -93,17 +91,9 @@ class FSDPPrefetch(CustomGraphPass):
                     keys[wait] = (target, -1, position[wait])
             plan.append({"block": block, "reduce_scatters": len(starts),
                          "waited_before": "end" if later is None else later.name})
-        trace_structured(
-            "artifact",
-            metadata_fn=lambda: {"name": ARTIFACT, "encoding": "json"},
-            payload_fn=lambda: json.dumps(plan),
-        )
-        if not keys:
-            return
-        before = collective_sequences(graph)
-        reorder(graph, keys)
-        if collective_sequences(graph) != before:
-            raise AssertionError("FSDPPrefetch changed the order of a process group's collectives")
+        record_plan(ARTIFACT, plan)
+        if keys:
+            reorder(graph, keys)
 
     def uuid(self) -> bytes:
         return get_hash_for_files((__file__, fx_utils.__file__), extra=repr(self.in_flight))

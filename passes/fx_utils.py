@@ -5,17 +5,19 @@ into a valid order: a topological sort that always takes, among the ready nodes,
 smallest key. A node keyed ahead of one of its inputs simply waits for it, so no key assignment
 can produce an invalid graph. A collective also waits for the previous collective of its process
 group: moving a collective past one of another group is fine (every rank runs the same pass on
-the same graph), but each group's own sequence never changes. :func:`collective_sequences` lets
-the passes check that.
+the same graph), but each group's own sequence never changes, and :func:`reorder` checks that
+on its result. :func:`record_plan` writes a pass's decisions to the structured trace.
 """
 
 from __future__ import annotations
 
 import heapq
+import json
 import re
 from collections import defaultdict
 
 import torch
+from torch._logging import trace_structured
 
 _LIST_INDEX = re.compile(r"^(.*?(?:\.\d+|\['\d+'\]))(?:\.|\[|$)")
 _DYNAMO_PREFIX = re.compile(r"^L\['self'\]\.?|^L\['[^']*'\]\.?")
@@ -111,13 +113,13 @@ def reorder(graph: torch.fx.Graph, keys: dict[torch.fx.Node, tuple]) -> None:
     Placeholders stay first and the output last. Keys are compared as tuples; a node without
     one gets ``(its position,)``.
     """
+    before = collective_sequences(graph)
     nodes = [n for n in graph.nodes if n.op not in ("placeholder", "output")]
     position = {n: i for i, n in enumerate(graph.nodes)}
     key = lambda n: keys.get(n, (position[n],)) + (position[n],)
     after: dict[torch.fx.Node, list[torch.fx.Node]] = {n: list(n.users) for n in nodes}
-    missing = {n: 0 for n in nodes}
-    for n in nodes:
-        missing[n] = sum(1 for i in n.all_input_nodes if i in missing)
+    body = set(nodes)
+    missing = {n: sum(1 for i in n.all_input_nodes if i in body) for n in nodes}
     last_of_group: dict[str, torch.fx.Node] = {}
     for n in nodes:
         group = collective_group(n)
@@ -141,6 +143,8 @@ def reorder(graph: torch.fx.Graph, keys: dict[torch.fx.Node, tuple]) -> None:
     output = graph.output_node()
     for node in order:  # each moves to the end, just before the output
         output.prepend(node)
+    if collective_sequences(graph) != before:
+        raise AssertionError("reorder changed the order of a process group's collectives")
 
 
 def pin_after(graph: torch.fx.Graph, after: dict[torch.fx.Node, list[torch.fx.Node]]) -> None:
@@ -157,3 +161,12 @@ def pin_after(graph: torch.fx.Graph, after: dict[torch.fx.Node, list[torch.fx.No
         return
     if after:
         preserve_node_ordering(graph, {node: OrderedSet(deps) for node, deps in after.items()})
+
+
+def record_plan(artifact: str, plan: list) -> None:
+    """Write a pass's plan (JSON-able) to the structured trace as ``artifact``; tlparse shows it."""
+    trace_structured(
+        "artifact",
+        metadata_fn=lambda: {"name": artifact, "encoding": "json"},
+        payload_fn=lambda: json.dumps(plan),
+    )
