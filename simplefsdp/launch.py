@@ -7,6 +7,10 @@ group, calls ``fn(*args)`` and returns the per-rank results in rank order. The f
 raises fails the test with that rank's traceback; the other ranks are killed at once (they would
 wait forever in a collective). A run past ``timeout`` seconds is killed and fails.
 
+Each rank's stderr (fd 2, so also native-code messages such as an abort's) goes to a log file that
+the parent copies to its own stderr as it grows, each line prefixed with ``[rank N]``; a rank that
+dies shows the end of its log in the error, and ``faulthandler`` adds its Python stacks.
+
 Each rank compiles into its own Inductor cache dir, ``rank{N}`` under ``TORCHINDUCTOR_CACHE_DIR``
 or a fresh temporary dir (torch 2.13 can load another sub-mesh group's artifacts from a shared
 one), and uses one thread, since the CI machine has two cores.
@@ -14,10 +18,12 @@ one), and uses one thread, since the CI machine has two cores.
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import pickle
 import queue
 import socket
+import sys
 import tempfile
 import time
 import traceback
@@ -31,7 +37,10 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _rank_main(rank, world_size, port, cache_root, results, fn, args):
+def _rank_main(rank, world_size, port, run_dir, results, fn, args):
+    log = open(_log_path(run_dir, rank), "ab", buffering=0)
+    os.dup2(log.fileno(), 2)
+    faulthandler.enable(all_threads=True)
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
@@ -40,7 +49,7 @@ def _rank_main(rank, world_size, port, cache_root, results, fn, args):
         WORLD_SIZE=str(world_size),
         TORCHINDUCTOR_COMPILE_THREADS="1",
     )
-    base = os.environ.get("TORCHINDUCTOR_CACHE_DIR", cache_root)
+    base = os.environ.get("TORCHINDUCTOR_CACHE_DIR", run_dir)
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(base, f"rank{rank}")
     try:
         import torch
@@ -57,7 +66,39 @@ def _rank_main(rank, world_size, port, cache_root, results, fn, args):
         results.put((rank, "error", traceback.format_exc()))
 
 
-def _root_cause(rank: int, error: str, results, procs, grace: float = 5.0) -> str:
+def _log_path(run_dir: str, rank: int) -> str:
+    return os.path.join(run_dir, f"rank{rank}.stderr")
+
+
+class _RankLogs:
+    """The ranks' stderr logs: copied to our stderr as they grow, and their ends for errors."""
+
+    def __init__(self, run_dir: str, world_size: int):
+        self.paths = [_log_path(run_dir, r) for r in range(world_size)]
+        self.copied = [0] * world_size
+
+    def copy_new_lines(self, final: bool = False) -> None:
+        for rank, path in enumerate(self.paths):
+            if not os.path.exists(path):
+                continue
+            with open(path, "rb") as f:
+                f.seek(self.copied[rank])
+                data = f.read()
+            end = len(data) if final else data.rfind(b"\n") + 1
+            self.copied[rank] += end
+            for line in data[:end].decode(errors="replace").splitlines():
+                sys.stderr.write(f"[rank {rank}] {line}\n")
+        sys.stderr.flush()
+
+    def tail(self, rank: int, lines: int = 30) -> str:
+        if not os.path.exists(self.paths[rank]):
+            return ""
+        with open(self.paths[rank], "rb") as f:
+            text = f.read().decode(errors="replace").rstrip()
+        return f"\nlast lines of rank {rank}'s stderr:\n" + "\n".join(text.splitlines()[-lines:]) if text else ""
+
+
+def _root_cause(rank: int, error: str, results, procs, logs: _RankLogs, grace: float = 5.0) -> str:
     """The error to report when ``rank`` failed with ``error``.
 
     A rank that only lost its connection (gloo: "Connection reset/closed by peer") failed because
@@ -75,7 +116,8 @@ def _root_cause(rank: int, error: str, results, procs, grace: float = 5.0) -> st
         if status == "error" and "by peer" not in value:
             return f"rank {other} failed:\n{value}\n(rank {rank} then lost its connection)"
     dead = {r: p.exitcode for r, p in enumerate(procs) if p.exitcode not in (None, 0)}
-    return f"rank {rank} failed:\n{error}\nranks that exited abnormally (rank: exit code): {dead or 'none yet'}"
+    tails = "".join(logs.tail(r) for r in dead)
+    return f"rank {rank} failed:\n{error}\nranks that exited abnormally (rank: exit code): {dead or 'none yet'}{tails}"
 
 
 def run_ranks(fn, world_size: int, *args, timeout: float = 600.0) -> list:
@@ -85,10 +127,11 @@ def run_ranks(fn, world_size: int, *args, timeout: float = 600.0) -> list:
     """
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    cache_root = tempfile.mkdtemp(prefix="simplefsdp-inductor-")
+    run_dir = tempfile.mkdtemp(prefix="simplefsdp-ranks-")
+    logs = _RankLogs(run_dir, world_size)
     port = _free_port()
     procs = [
-        ctx.Process(target=_rank_main, args=(r, world_size, port, cache_root, results, fn, args))
+        ctx.Process(target=_rank_main, args=(r, world_size, port, run_dir, results, fn, args))
         for r in range(world_size)
     ]
     for p in procs:
@@ -100,15 +143,16 @@ def run_ranks(fn, world_size: int, *args, timeout: float = 600.0) -> list:
             try:
                 rank, status, value = results.get(timeout=1.0)
             except queue.Empty:
+                logs.copy_new_lines()
                 if time.monotonic() > deadline:
                     missing = sorted(set(range(world_size)) - set(outputs))
                     raise TimeoutError(f"ranks {missing} did not finish within {timeout:.0f}s")
                 dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0) and r not in outputs]
                 if dead:
-                    raise RuntimeError(f"rank {dead[0]} died with exit code {procs[dead[0]].exitcode}")
+                    raise RuntimeError(f"rank {dead[0]} died with exit code {procs[dead[0]].exitcode}{logs.tail(dead[0])}")
                 continue
             if status == "error":
-                raise RuntimeError(_root_cause(rank, value, results, procs))
+                raise RuntimeError(_root_cause(rank, value, results, procs, logs))
             outputs[rank] = pickle.loads(value)
     finally:
         for p in procs:
@@ -117,4 +161,5 @@ def run_ranks(fn, world_size: int, *args, timeout: float = 600.0) -> list:
             if p.is_alive():
                 p.kill()
             p.join()
+        logs.copy_new_lines(final=True)
     return [outputs[r] for r in range(world_size)]

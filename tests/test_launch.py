@@ -23,3 +23,21 @@ def test_crashed_rank_is_named():
     with pytest.raises(RuntimeError) as error:
         run_ranks(_rank1_crashes, 2, timeout=120)
     assert "{1: 7}" in str(error.value) or "rank 1 died with exit code 7" in str(error.value)
+
+
+def _rank0_aborts():
+    import torch
+    import torch.distributed as dist
+
+    if dist.get_rank() == 0:
+        os.write(2, b"native message before the abort\n")
+        os.abort()
+    dist.all_reduce(torch.ones(1))
+
+
+def test_native_abort_shows_the_ranks_stderr():
+    with pytest.raises(RuntimeError) as error:
+        run_ranks(_rank0_aborts, 2, timeout=120)
+    message = str(error.value)
+    assert "native message before the abort" in message
+    assert "Fatal Python error: Aborted" in message  # faulthandler's Python stack
