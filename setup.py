@@ -10,6 +10,8 @@ setup(
     packages=["simplefsdp", "simplefsdp.models", "simplefsdp.passes"],
     package_dir={"simplefsdp.passes": "passes"},
     install_requires=["torch>=2.11"],
-    extras_require={"dev": ["pytest", "expecttest", "tlparse"]},
-    entry_points={"console_scripts": ["simplefsdp-train=simplefsdp.train:main"]},
+    extras_require={"dev": ["pytest", "expecttest", "tlparse", "matplotlib"], "plot": ["matplotlib"]},
+    entry_points={
+        "console_scripts": ["simplefsdp-train=simplefsdp.train:main", "simplefsdp-compare=simplefsdp.compare:main"]
+    },
 )

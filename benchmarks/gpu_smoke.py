@@ -24,7 +24,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from simplefsdp import MixedPrecisionPolicy, simple_fsdp
 from simplefsdp.models.llama import Transformer, TransformerConfig
 from simplefsdp.models.moe import MOE_CONFIGS, MoEConfig, moe_transformer
-from simplefsdp.train import synthetic_batches, train_steps
+from simplefsdp.data import SyntheticTokens
+from simplefsdp.train import train_steps
 
 DENSE = TransformerConfig(vocab_size=32000, dim=1024, n_layers=4, n_heads=16, n_kv_heads=8, ffn_dim=2816)
 MOE = MoEConfig(
@@ -40,7 +41,7 @@ def run(name, build, cfg, compiled, steps):
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     model = simple_fsdp(build(cfg).cuda(), mesh, mp_policy=mp)
     runner = torch.compile(model, fullgraph=True) if compiled else model
-    data = [(t.cuda(), l.cuda()) for t, l in synthetic_batches(cfg.vocab_size, 8, 1024, steps)]
+    data = [(t.cuda(), l.cuda()) for t, l in map(SyntheticTokens(cfg.vocab_size, 8, 1024).batch, range(steps))]
     times = []
     last = time.perf_counter()
 

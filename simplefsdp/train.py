@@ -1,129 +1,278 @@
-"""Training entry point: ``python -m simplefsdp.train`` (console script ``simplefsdp-train``).
+"""Training entry point: ``simplefsdp-train`` (also ``python -m simplefsdp.train``).
 
-Trains the dense debug transformer with SimpleFSDP on a synthetic token stream and prints the
-loss of every step. Under ``torchrun`` it uses the launcher's ranks (nccl on GPUs, gloo on CPU);
-started plainly, it spawns ``--ranks`` CPU processes itself, so one command runs on a laptop.
+    simplefsdp-train --config configs/debug_moe.toml --training.steps 30 --parallel.ep 2
 
-The global batch is the same for every layout (each data-parallel rank trains on its slice), so
-runs with different parallel layouts are comparable step by step.
+Trains the configured model (:mod:`simplefsdp.config`) with SimpleFSDP, or with FSDP2 for
+comparison (``--baseline fsdp2``), and logs every step (:mod:`simplefsdp.metrics`) to stdout and
+``<out_dir>/metrics.jsonl``. Under ``torchrun`` it uses the launcher's ranks (nccl on GPUs, gloo on
+CPUs); started plainly it spawns the configured number of CPU ranks itself (gloo), so one command
+runs on a laptop. Checkpoints (:mod:`simplefsdp.checkpoint`) are saved every
+``checkpoint.interval`` steps and at the end; ``--resume`` continues from the last one, in any
+parallel layout. ``--trace-dir DIR`` records the compile for tlparse (:mod:`simplefsdp.tracing`).
+
+Config errors are caught before any rank starts and reported as one line naming the key.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import sys
 import time
 
 import torch
 import torch.distributed as dist
 
-from simplefsdp.frontend import simple_fsdp
-from simplefsdp.models.llama import Transformer, TransformerConfig, cross_entropy_loss
+from simplefsdp.checkpoint import CheckpointError, Checkpointer, check_folder
+from simplefsdp.config import ConfigError, JobConfig, load, model_fingerprint, validate
+from simplefsdp.data import rank_slice, token_stream
+from simplefsdp.grad_norm import clip_grads_
+from simplefsdp.metrics import MetricsLog, StepMetrics, flops_per_token, peak_flops, peak_memory_gib
+from simplefsdp.models.llama import cross_entropy_loss
 from simplefsdp.tracing import trace
 
-MODES = ("fully_shard", "replicate", "hybrid_shard")
+PROG = "simplefsdp-train"
 
 
-def synthetic_batches(vocab_size: int, global_batch: int, seq_len: int, steps: int, seed: int = 1234):
-    """(tokens, labels) batches of arithmetic sequences with random starts: learnable, deterministic."""
-    g = torch.Generator().manual_seed(seed)
-    out = []
-    for _ in range(steps):
-        start = torch.randint(0, vocab_size, (global_batch, 1), generator=g)
-        stride = torch.randint(1, 4, (global_batch, 1), generator=g)
-        seq = (start + stride * torch.arange(seq_len + 1)) % vocab_size
-        out.append((seq[:, :-1].contiguous(), seq[:, 1:].contiguous()))
-    return out
+def train_step(runner, optimizer, batch, *, params, dp_size: int, max_norm: float = 0.0) -> tuple[float, float]:
+    """One AdamW step on this rank's slice ``batch``; the global mean loss and the gradient norm."""
+    tokens, labels = batch
+    loss = cross_entropy_loss(runner(tokens), labels)
+    loss.backward()
+    norm = clip_grads_(params, max_norm)
+    optimizer.step()
+    optimizer.zero_grad()
+    reported = loss.detach().clone()
+    if dp_size > 1:
+        dist.all_reduce(reported, op=dist.ReduceOp.AVG)
+    return reported.item(), norm.item()
+
+
+def make_optimizer(model, lr: float) -> torch.optim.Optimizer:
+    # one parameter at a time: gradients on different meshes never meet in one foreach kernel
+    return torch.optim.AdamW(model.parameters(), lr=lr, foreach=False)
 
 
 def train_steps(model, data, *, lr: float, dp_rank: int = 0, dp_size: int = 1, on_step=None) -> list[float]:
-    """AdamW over ``data``; each rank trains on its slice of every global batch. Global losses."""
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, foreach=False)
+    """AdamW over the global batches ``data``, each rank on its slice; the global losses.
+
+    ``on_step(step, loss)`` is called after each step (step counts from 0).
+    """
+    optimizer = make_optimizer(model, lr)
+    params = list(model.parameters())
     losses = []
-    for step, (tokens, labels) in enumerate(data):
-        rows = tokens.shape[0] // dp_size
-        rank_rows = slice(dp_rank * rows, (dp_rank + 1) * rows)
-        loss = cross_entropy_loss(model(tokens[rank_rows]), labels[rank_rows])
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        reported = loss.detach().clone()
-        if dp_size > 1:
-            dist.all_reduce(reported, op=dist.ReduceOp.AVG)
-        losses.append(reported.item())
+    for step, batch in enumerate(data):
+        losses.append(train_step(model, optimizer, rank_slice(batch, dp_rank, dp_size), params=params, dp_size=dp_size)[0])
         if on_step is not None:
             on_step(step, losses[-1])
     return losses
 
 
-def dp_mesh(mode: str, world: int, device_type: str):
-    """The data-parallel mesh for ``mode`` over all ranks (hybrid: 2 replicas when world allows)."""
+def _mesh(cfg: JobConfig, world: int, device_type: str):
+    """The mesh over all ranks: dims dp_replicate, dp_shard, tp, leaving out those of size 1 that
+    the layout does not need."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    if mode == "hybrid_shard":
-        replicas = 2 if world % 2 == 0 and world > 1 else 1
-        return init_device_mesh(device_type, (replicas, world // replicas), mesh_dim_names=("dp_replicate", "dp_shard"))
-    name = "dp_shard" if mode == "fully_shard" else "dp_replicate"
-    return init_device_mesh(device_type, (world,), mesh_dim_names=(name,))
+    d, p = cfg.degrees(world), cfg.parallel
+    # FSDP2 replicates as HSDP with a dp_shard dim of 1
+    keep_shard = d["dp_replicate"] == 1 or p.ep > 1 or p.mode == "hybrid_shard" or cfg.training.baseline == "fsdp2"
+    dims = [(name, size) for name, size in d.items() if size > 1 or (name == "dp_shard" and keep_shard)]
+    return init_device_mesh(device_type, tuple(s for _, s in dims), mesh_dim_names=tuple(n for n, _ in dims))
 
 
-def _train(args) -> list[float]:
+def _mp_policy(cfg: JobConfig):
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+    param, reduce = dtype[cfg.training.param_dtype], dtype[cfg.training.reduce_dtype]
+    return MixedPrecisionPolicy(param_dtype=None if param == torch.float32 else param, reduce_dtype=reduce)
+
+
+def build(cfg: JobConfig, world: int, device_type: str):
+    """(model, what to call for forward, optimizer) for this rank."""
+    from simplefsdp import compile_options, simple_fsdp
+    from simplefsdp.activation_checkpoint import apply_activation_checkpointing
+    from simplefsdp.models.llama import Transformer
+    from simplefsdp.models.moe import moe_transformer
+    from simplefsdp.models.parallelize import apply_tensor_parallel
+
+    p, t = cfg.parallel, cfg.training
+    mesh = _mesh(cfg, world, device_type)
+    torch.manual_seed(t.seed)
+    model_cfg = cfg.model_config()
+    model = moe_transformer(model_cfg) if cfg.model["kind"] == "moe" else Transformer(model_cfg)
+    if p.tp > 1:
+        model = apply_tensor_parallel(model, mesh["tp"])
+    if p.activation_checkpoint != "none":
+        model = apply_activation_checkpointing(model, p.activation_checkpoint)
+    if t.baseline == "fsdp2":
+        from simplefsdp.fsdp2_baseline import fsdp2
+
+        model = fsdp2(model, mesh, ep=p.ep, mp_policy=_mp_policy(cfg), reshard_after_forward=p.reshard_after_forward)
+        runner = model
+        if t.compile:  # per block, as torchtitan compiles FSDP2 models
+            for block in model.layers:
+                block.compile()
+    else:
+        mode = None if p.mode == "auto" else p.mode
+        model = simple_fsdp(model, mesh, mode=mode, ep=p.ep, mp_policy=_mp_policy(cfg),
+                            reshard_after_forward=p.reshard_after_forward)
+        runner = model
+        if t.compile:
+            options = None if t.passes else compile_options(bucketing="none", a2a_overlap=False, prefetch=0)
+            runner = torch.compile(model, fullgraph=True, options=options)
+    return model, runner, make_optimizer(model, t.lr)
+
+
+def _count_params(model) -> int:
+    from torch.distributed.tensor import DTensor
+
+    return sum(p.numel() if not isinstance(p, DTensor) else p.shape.numel() for p in model.parameters())
+
+
+def run(cfg: JobConfig, start_step: int) -> list[float]:
+    """The training job on this rank (the process group is up); the losses of the steps it ran."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    device_type = "cuda" if torch.cuda.is_available() and dist.get_backend() == "nccl" else "cpu"
-    if device_type == "cuda":
+    cuda = dist.get_backend() == "nccl"
+    if cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
-    cfg = TransformerConfig(n_layers=args.layers, dim=args.dim)
-    torch.manual_seed(args.seed)
-    model = simple_fsdp(Transformer(cfg), dp_mesh(args.mode, world, device_type), mode=args.mode)
-    runner = torch.compile(model) if args.compile else model
-    device = torch.device(device_type, torch.cuda.current_device()) if device_type == "cuda" else torch.device("cpu")
-    data = [(t.to(device), l.to(device)) for t, l in synthetic_batches(cfg.vocab_size, args.batch, args.seq, args.steps, args.seed)]
-    start = time.perf_counter()
-
-    def log(step, loss):
-        if rank == 0:
-            print(f"step {step + 1:4d}/{args.steps}  loss {loss:8.4f}  {time.perf_counter() - start:7.1f}s", flush=True)
-
-    if args.trace_dir is None:
-        return train_steps(runner, data, lr=args.lr, dp_rank=rank, dp_size=world, on_step=log)
-    with trace(args.trace_dir) as t:
-        losses = train_steps(runner, data, lr=args.lr, dp_rank=rank, dp_size=world, on_step=log)
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    t, tp = cfg.training, cfg.parallel.tp
+    model, runner, optimizer = build(cfg, world, device.type)
+    checkpointer = Checkpointer(cfg.checkpoint_folder, model_fingerprint(cfg), model, optimizer)
+    if start_step:
+        checkpointer.load(start_step)
+    dp_rank, dp_size = rank // tp, world // tp  # tp is the inner-most mesh dim
+    model_cfg = cfg.model_config()
+    stream = token_stream(t.dataset, model_cfg.vocab_size, t.global_batch, t.seq_len, t.seed)
+    log = MetricsLog(cfg.out_dir, t.steps, enabled=rank == 0, tensorboard=cfg.metrics.tensorboard, resume_step=start_step)
+    tokens_per_step = t.global_batch * t.seq_len
+    peak = peak_flops(device, cfg.metrics.peak_tflops)
+    fpt = flops_per_token(model_cfg, t.seq_len)
     if rank == 0:
-        print(f"trace: {args.trace_dir}" + (f", tlparse report: {t.report}" if t.report else " (tlparse not installed)"))
+        what = "FSDP2" if t.baseline == "fsdp2" else "SimpleFSDP"
+        how = "compiled" + (" with passes" if t.passes and t.baseline != "fsdp2" else "") if t.compile else "eager"
+        degrees = [f"{name} {size}" for name, size in cfg.degrees(world).items() if size > 1]
+        degrees += [f"ep {cfg.parallel.ep}"] if cfg.parallel.ep > 1 else []
+        print(f"{PROG}: {cfg.name}: {cfg.model['kind']} model, {_count_params(model) / 1e6:.2f}M parameters; "
+              f"{what} {how} on {world} {device.type} ranks ({' x '.join(degrees) or 'one rank'}); "
+              f"{'resuming after step ' + str(start_step) if start_step else 'from scratch'}; out {cfg.out_dir}", flush=True)
+
+    params = list(model.parameters())
+    losses = []
+    interval = cfg.checkpoint.interval
+    for step in range(start_step + 1, t.steps + 1):
+        begin = time.perf_counter()
+        batch = tuple(x.to(device) for x in rank_slice(stream.batch(step - 1), dp_rank, dp_size))
+        loss, norm = train_step(runner, optimizer, batch, params=params, dp_size=dp_size, max_norm=t.max_norm)
+        if cuda:
+            torch.cuda.synchronize()
+        seconds = time.perf_counter() - begin
+        tps = tokens_per_step / seconds
+        log.log(StepMetrics(step, loss, norm, tps, 1e3 * seconds, peak_memory_gib(device),
+                            tps * fpt / (world * peak) if peak else None))
+        losses.append(loss)
+        if step == t.steps or (interval and step % interval == 0):
+            checkpointer.save(step)
+    log.close()
     return losses
 
 
-def parse_args(argv=None):
-    p = argparse.ArgumentParser(prog="simplefsdp-train", description=__doc__.splitlines()[0])
-    p.add_argument("--ranks", type=int, default=2, help="CPU ranks to spawn when not under torchrun")
-    p.add_argument("--mode", choices=MODES, default="fully_shard")
-    p.add_argument("--steps", type=int, default=40)
-    p.add_argument("--batch", type=int, default=8, help="global batch (sequences)")
-    p.add_argument("--seq", type=int, default=32)
-    p.add_argument("--layers", type=int, default=2)
-    p.add_argument("--dim", type=int, default=64)
-    p.add_argument("--lr", type=float, default=1e-2)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True)
-    p.add_argument("--trace-dir", default=None, help="dump the compile trace here and render it with tlparse")
-    args = p.parse_args(argv)
-    if args.ranks < 1 or args.batch % args.ranks:
-        p.error(f"--batch {args.batch} must divide evenly over --ranks {args.ranks}")
-    return args
+def _rank_main(cfg: JobConfig, start_step: int, trace_dir: str | None) -> list[float]:
+    if trace_dir is None:
+        return run(cfg, start_step)
+    with trace(trace_dir) as tr:
+        losses = run(cfg, start_step)
+    if dist.get_rank() == 0:
+        print(f"tlparse report: {tr.report}" if tr.report else "tlparse not installed: raw logs only", flush=True)
+    return losses
+
+
+def _split_overrides(rest: list[str]) -> list[tuple[str, str]]:
+    """``--section.key value`` / ``--section.key=value`` pairs from the leftover arguments."""
+    out, i = [], 0
+    while i < len(rest):
+        arg = rest[i]
+        if not arg.startswith("--") or "." not in arg.split("=")[0]:
+            raise ConfigError(f"{arg}: unrecognized argument (overrides look like --training.steps 10)")
+        if "=" in arg:
+            key, value = arg[2:].split("=", 1)
+            i += 1
+        else:
+            if i + 1 >= len(rest):
+                raise ConfigError(f"{arg[2:]}: missing value")
+            key, value = arg[2:], rest[i + 1]
+            i += 2
+        out.append((key, value))
+    return out
+
+
+def parse_args(argv=None) -> tuple[JobConfig, argparse.Namespace]:
+    p = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0],
+                                epilog="Any config key can be overridden: --section.key value (see configs/*.toml).")
+    p.add_argument("--config", help="TOML config file (configs/*.toml); default: the debug dense model")
+    p.add_argument("--ranks", type=int, help="CPU ranks to spawn when not under torchrun "
+                   "(default: dp_replicate x dp_shard x tp)")
+    p.add_argument("--resume", action="store_true", help="continue from the last checkpoint (checkpoint.resume)")
+    p.add_argument("--baseline", choices=("simplefsdp", "fsdp2"), help="training.baseline")
+    p.add_argument("--trace-dir", help="dump the compile trace here and render it with tlparse")
+    args, rest = p.parse_known_args(argv)
+    overrides = _split_overrides(rest)
+    if args.resume:
+        overrides.append(("checkpoint.resume", "true"))
+    if args.baseline:
+        overrides.append(("training.baseline", args.baseline))
+    return load(args.config, overrides), args
+
+
+def _world_size(cfg: JobConfig, ranks: int | None) -> int:
+    if "WORLD_SIZE" in os.environ:
+        return int(os.environ["WORLD_SIZE"])
+    if ranks is not None:
+        if ranks < 1:
+            raise ConfigError(f"--ranks: must be >= 1, got {ranks}")
+        return ranks
+    p = cfg.parallel
+    if p.dp_shard == -1:
+        raise ConfigError("parallel.dp_shard: -1 takes the ranks left over; set it, or pass --ranks, when not under torchrun")
+    return p.dp_replicate * p.dp_shard * p.tp
+
+
+def prepare(argv=None) -> tuple[JobConfig, int, int, argparse.Namespace]:
+    """The checked config, world size and step to resume from; raises ConfigError/CheckpointError."""
+    cfg, args = parse_args(argv)
+    world = _world_size(cfg, args.ranks)
+    validate(cfg, world)
+    t = cfg.training
+    try:
+        token_stream(t.dataset, cfg.model_config().vocab_size, t.global_batch, t.seq_len, t.seed)
+    except ValueError as e:
+        raise ConfigError(str(e) if str(e).startswith("training.dataset") else f"training.dataset: {e}") from None
+    start = check_folder(cfg.checkpoint_folder, model_fingerprint(cfg), cfg.checkpoint.resume)
+    return cfg, world, start, args
 
 
 def main(argv=None) -> None:
-    args = parse_args(argv)
+    try:
+        cfg, world, start, args = prepare(argv)
+    except (ConfigError, CheckpointError) as e:
+        print(f"{PROG}: error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
+    if int(os.environ.get("RANK", "0")) == 0:
+        os.makedirs(cfg.out_dir, exist_ok=True)
+        with open(os.path.join(cfg.out_dir, "config.json"), "w") as f:
+            json.dump(cfg.as_dict(), f, indent=2)
     if "RANK" in os.environ:  # torchrun
         dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
         try:
-            _train(args)
+            _rank_main(cfg, start, args.trace_dir)
         finally:
             dist.destroy_process_group()
         return
     from simplefsdp.launch import run_ranks
 
-    run_ranks(_train, args.ranks, args, timeout=3600)
+    run_ranks(_rank_main, world, cfg, start, args.trace_dir, timeout=24 * 3600)
 
 
 if __name__ == "__main__":

@@ -11,7 +11,8 @@ from torch.distributed.tensor import DTensor
 
 from simplefsdp.launch import run_ranks
 from simplefsdp.models.llama import Transformer, TransformerConfig
-from simplefsdp.train import synthetic_batches, train_steps
+from simplefsdp.data import SyntheticTokens
+from simplefsdp.train import train_steps
 
 # vocab 97 and ffn 90 do not divide by 4 ranks: every parity run also covers uneven shards
 CFG = TransformerConfig(vocab_size=97, dim=48, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=90)
@@ -28,7 +29,8 @@ def build_model(cfg: TransformerConfig = CFG) -> Transformer:
 
 
 def batches(cfg: TransformerConfig = CFG):
-    return synthetic_batches(cfg.vocab_size, GLOBAL_BATCH, SEQ_LEN, STEPS)
+    stream = SyntheticTokens(cfg.vocab_size, GLOBAL_BATCH, SEQ_LEN)
+    return [stream.batch(step) for step in range(STEPS)]
 
 
 def train(model, data, *, dp_rank: int = 0, dp_size: int = 1) -> list[float]:

@@ -1,0 +1,265 @@
+"""The training job's configuration: TOML files under ``configs/`` plus ``--section.key value``
+overrides on the command line, checked before any rank starts.
+
+A config has five sections; every key has a default, so a file names only what it changes::
+
+    [model]       kind = "dense" | "moe", then the fields of TransformerConfig / MoEConfig
+    [parallel]    dp_replicate, dp_shard (-1: the ranks left over), tp, ep, mode,
+                  reshard_after_forward, activation_checkpoint
+    [training]    steps, lr, seed, global_batch, seq_len, dataset, compile, passes, param_dtype,
+                  reduce_dtype, max_norm, baseline
+    [checkpoint]  folder, interval, resume
+    [metrics]     out_dir, tensorboard, peak_tflops
+
+Any bad value raises :class:`ConfigError`, one line that names the key (``parallel.ep: ...``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import json
+import os
+import tomllib
+import typing
+from dataclasses import dataclass, field
+
+from simplefsdp.models.llama import TransformerConfig
+from simplefsdp.models.moe import MoEConfig
+
+
+class ConfigError(ValueError):
+    """A bad config key or value; the message names the key."""
+
+
+MODEL_KINDS = {"dense": TransformerConfig, "moe": MoEConfig}
+DTYPES = ("float32", "bfloat16")
+
+
+@dataclass
+class Parallel:
+    dp_replicate: int = 1
+    dp_shard: int = -1
+    tp: int = 1
+    ep: int = 1
+    mode: str = "auto"  # or fully_shard | replicate | hybrid_shard (simple_fsdp's modes)
+    reshard_after_forward: bool = True
+    activation_checkpoint: str = "none"  # none | full | selective
+
+
+@dataclass
+class Training:
+    steps: int = 20
+    lr: float = 1e-2
+    seed: int = 0
+    global_batch: int = 8  # sequences per step over all data-parallel ranks
+    seq_len: int = 32
+    dataset: str = "synthetic"  # or a .txt (bytes as tokens) / .bin (uint16) / .pt token file
+    compile: bool = True
+    passes: bool = True  # SimpleFSDP's Inductor passes (when compiled)
+    param_dtype: str = "float32"
+    reduce_dtype: str = "float32"
+    max_norm: float = 0.0  # gradient clipping; 0: off
+    baseline: str = "simplefsdp"  # or fsdp2: the same job on torch's fully_shard
+
+
+@dataclass
+class Checkpoint:
+    folder: str = ""  # default: <metrics.out_dir>/checkpoints
+    interval: int = 0  # save every K steps (and at the end); 0: only at the end
+    resume: bool = False
+
+
+@dataclass
+class Metrics:
+    out_dir: str = ""  # default: runs/<config name>[-fsdp2]; metrics.jsonl goes there
+    tensorboard: bool = False
+    peak_tflops: float = 0.0  # the device's peak for MFU; 0: from a table of known GPUs
+
+
+SECTIONS = {"parallel": Parallel, "training": Training, "checkpoint": Checkpoint, "metrics": Metrics}
+
+
+@dataclass
+class JobConfig:
+    name: str = "default"
+    model: dict = field(default_factory=lambda: {"kind": "dense"})
+    parallel: Parallel = field(default_factory=Parallel)
+    training: Training = field(default_factory=Training)
+    checkpoint: Checkpoint = field(default_factory=Checkpoint)
+    metrics: Metrics = field(default_factory=Metrics)
+
+    def model_config(self) -> TransformerConfig:
+        fields = dict(self.model)
+        return MODEL_KINDS[fields.pop("kind")](**fields)
+
+    @property
+    def out_dir(self) -> str:
+        suffix = "-fsdp2" if self.training.baseline == "fsdp2" else ""
+        return self.metrics.out_dir or os.path.join("runs", self.name + suffix)
+
+    @property
+    def checkpoint_folder(self) -> str:
+        return self.checkpoint.folder or os.path.join(self.out_dir, "checkpoints")
+
+    def as_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def degrees(self, world: int) -> dict[str, int]:
+        """The mesh degrees for ``world`` ranks, dp_shard = -1 resolved (validated already)."""
+        p = self.parallel
+        dp_shard = p.dp_shard if p.dp_shard != -1 else world // (p.dp_replicate * p.tp)
+        return {"dp_replicate": p.dp_replicate, "dp_shard": dp_shard, "tp": p.tp}
+
+
+def _parse_value(key: str, kind, raw):
+    """``raw`` (from TOML, or a string from the command line) as ``kind``."""
+    if isinstance(raw, str) and kind is not str:
+        text = raw.strip().lower()
+        try:
+            if kind is bool:
+                if text not in ("true", "false", "1", "0", "yes", "no", "on", "off"):
+                    raise ValueError
+                return text in ("true", "1", "yes", "on")
+            return kind(text)
+        except ValueError:
+            raise ConfigError(f"{key}: expected {kind.__name__}, got {raw!r}") from None
+    if kind is float and isinstance(raw, int) and not isinstance(raw, bool):
+        return float(raw)
+    if type(raw) is not kind:
+        raise ConfigError(f"{key}: expected {kind.__name__}, got {raw!r}")
+    return raw
+
+
+def _model_fields(kind: str) -> dict[str, type]:
+    hints = typing.get_type_hints(MODEL_KINDS[kind])
+    return {f.name: hints[f.name] for f in dataclasses.fields(MODEL_KINDS[kind])}
+
+
+def _set(cfg: JobConfig, key: str, raw) -> None:
+    section, _, name = key.partition(".")
+    if section == "name" and not name:
+        cfg.name = _parse_value("name", str, raw)
+        return
+    if section == "model":
+        if name == "kind":
+            kind = _parse_value(key, str, raw)
+            if kind not in MODEL_KINDS:
+                raise ConfigError(f"model.kind: must be one of {sorted(MODEL_KINDS)}, got {kind!r}")
+            cfg.model["kind"] = kind
+            return
+        # checked against the final kind in validate(); every MoE field is a candidate here
+        fields = _model_fields("moe")
+        if name not in fields:
+            raise ConfigError(f"{key}: unknown key (model keys: kind, {', '.join(fields)})")
+        cfg.model[name] = _parse_value(key, fields[name], raw)
+        return
+    if section not in SECTIONS or not name:
+        raise ConfigError(f"{key}: unknown section (sections: model, {', '.join(SECTIONS)})")
+    hints = typing.get_type_hints(SECTIONS[section])
+    if name not in hints:
+        raise ConfigError(f"{key}: unknown key (in [{section}]: {', '.join(hints)})")
+    setattr(getattr(cfg, section), name, _parse_value(key, hints[name], raw))
+
+
+def load(path: str | None, overrides: list[tuple[str, str]] = ()) -> JobConfig:
+    """The config in the TOML file ``path`` (None: the defaults), then ``overrides`` applied."""
+    cfg = JobConfig()
+    if path is not None:
+        try:
+            with open(path, "rb") as f:
+                data = tomllib.load(f)
+        except OSError as e:
+            raise ConfigError(f"config: cannot read {path}: {e.strerror}") from None
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"config: {path} is not valid TOML: {e}") from None
+        cfg.name = os.path.splitext(os.path.basename(path))[0]
+        model = data.pop("model", {})
+        if "kind" in model:  # first, so that its fields are checked against it
+            _set(cfg, "model.kind", model.pop("kind"))
+        for key, value in model.items():
+            _set(cfg, f"model.{key}", value)
+        for section, values in data.items():
+            if not isinstance(values, dict):
+                _set(cfg, section, values)
+                continue
+            for key, value in values.items():
+                _set(cfg, f"{section}.{key}", value)
+    for key, value in overrides:
+        _set(cfg, key, value)
+    return cfg
+
+
+def _check(ok: bool, key: str, message: str) -> None:
+    if not ok:
+        raise ConfigError(f"{key}: {message}")
+
+
+def validate(cfg: JobConfig, world: int) -> None:
+    """Check everything that can be checked before a rank starts, for ``world`` ranks."""
+    kind = cfg.model["kind"]
+    allowed = _model_fields(kind)
+    for name in cfg.model:
+        _check(name == "kind" or name in allowed, f"model.{name}", f"not a field of {kind} models (model.kind = {kind!r})")
+    m = cfg.model_config()
+    for name in ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim"):
+        _check(getattr(m, name) >= 1, f"model.{name}", f"must be >= 1, got {getattr(m, name)}")
+    _check(m.dim % m.n_heads == 0, "model.n_heads", f"{m.n_heads} does not divide model.dim {m.dim}")
+    _check(m.n_heads % m.n_kv_heads == 0, "model.n_kv_heads", f"{m.n_kv_heads} does not divide model.n_heads {m.n_heads}")
+    _check(m.head_dim % 2 == 0, "model.dim", f"head dim {m.head_dim} (dim / n_heads) must be even for rotary embeddings")
+    if kind == "moe":
+        _check(1 <= m.top_k <= m.num_experts, "model.top_k", f"must be in 1..num_experts ({m.num_experts}), got {m.top_k}")
+        _check(0 <= m.n_dense_layers <= m.n_layers, "model.n_dense_layers", f"must be in 0..n_layers ({m.n_layers})")
+        _check(m.score_func in ("sigmoid", "softmax"), "model.score_func", f"must be sigmoid or softmax, got {m.score_func!r}")
+
+    p, t = cfg.parallel, cfg.training
+    for name in ("dp_replicate", "tp", "ep"):
+        _check(getattr(p, name) >= 1, f"parallel.{name}", f"must be >= 1, got {getattr(p, name)}")
+    _check(p.dp_shard >= 1 or p.dp_shard == -1, "parallel.dp_shard", f"must be >= 1 or -1 (the ranks left over), got {p.dp_shard}")
+    if p.dp_shard == -1:
+        _check(world % (p.dp_replicate * p.tp) == 0, "parallel.dp_shard",
+               f"-1: {world} ranks do not split into dp_replicate {p.dp_replicate} x tp {p.tp}")
+    d = cfg.degrees(world)
+    product = d["dp_replicate"] * d["dp_shard"] * d["tp"]
+    _check(product == world, "parallel.dp_shard",
+           f"dp_replicate {d['dp_replicate']} x dp_shard {d['dp_shard']} x tp {d['tp']} = {product}, but there are {world} ranks")
+    _check(p.mode in ("auto", "fully_shard", "replicate", "hybrid_shard"), "parallel.mode",
+           f"must be auto, fully_shard, replicate or hybrid_shard, got {p.mode!r}")
+    _check(p.activation_checkpoint in ("none", "full", "selective"), "parallel.activation_checkpoint",
+           f"must be none, full or selective, got {p.activation_checkpoint!r}")
+    if p.tp > 1:
+        _check(m.n_kv_heads % p.tp == 0, "parallel.tp", f"{p.tp} does not divide model.n_kv_heads {m.n_kv_heads}")
+    if p.ep > 1:
+        _check(kind == "moe", "parallel.ep", f"expert parallelism needs model.kind = 'moe', got {kind!r}")
+        _check((d["dp_shard"] * p.tp) % p.ep == 0, "parallel.ep",
+               f"{p.ep} does not divide dp_shard {d['dp_shard']} x tp {p.tp} (the ranks experts are spread over)")
+        _check(m.num_experts % p.ep == 0, "parallel.ep", f"{p.ep} does not divide model.num_experts {m.num_experts}")
+
+    _check(t.steps >= 1, "training.steps", f"must be >= 1, got {t.steps}")
+    _check(t.lr > 0, "training.lr", f"must be > 0, got {t.lr}")
+    _check(t.seq_len >= 1, "training.seq_len", f"must be >= 1, got {t.seq_len}")
+    dp = d["dp_replicate"] * d["dp_shard"]
+    _check(t.global_batch >= dp and t.global_batch % dp == 0, "training.global_batch",
+           f"{t.global_batch} sequences do not split evenly over {dp} data-parallel ranks")
+    for name in ("param_dtype", "reduce_dtype"):
+        _check(getattr(t, name) in DTYPES, f"training.{name}", f"must be one of {DTYPES}, got {getattr(t, name)!r}")
+    _check(t.max_norm >= 0, "training.max_norm", f"must be >= 0 (0: no clipping), got {t.max_norm}")
+    _check(t.baseline in ("simplefsdp", "fsdp2"), "training.baseline", f"must be simplefsdp or fsdp2, got {t.baseline!r}")
+    if t.baseline == "fsdp2":
+        _check(p.tp == 1, "parallel.tp", "the fsdp2 baseline has no tensor parallelism")
+        _check(p.mode == "auto", "parallel.mode", "the fsdp2 baseline takes its mode from the degrees (leave mode = 'auto')")
+    if t.dataset != "synthetic":
+        _check(os.path.isfile(t.dataset), "training.dataset", f"no such file: {t.dataset!r}")
+        _check(os.path.splitext(t.dataset)[1] in (".txt", ".bin", ".pt"), "training.dataset",
+               f"must be 'synthetic' or a .txt, .bin or .pt file, got {t.dataset!r}")
+
+    c = cfg.checkpoint
+    _check(c.interval >= 0, "checkpoint.interval", f"must be >= 0, got {c.interval}")
+    if cfg.metrics.tensorboard:
+        _check(importlib.util.find_spec("tensorboard") is not None, "metrics.tensorboard", "the tensorboard package is not installed")
+    _check(cfg.metrics.peak_tflops >= 0, "metrics.peak_tflops", f"must be >= 0, got {cfg.metrics.peak_tflops}")
+
+
+def model_fingerprint(cfg: JobConfig) -> str:
+    """The model section as canonical JSON: checkpoints of different models never mix."""
+    return json.dumps(dataclasses.asdict(cfg.model_config()) | {"kind": cfg.model["kind"]}, sort_keys=True)

@@ -1,0 +1,177 @@
+"""The training entry point: CLI runs on CPU ranks, checkpoint resume (after a kill, and into
+another parallel layout), the FSDP2 baseline, the compare tool, and config errors."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from simplefsdp import compare, train
+from simplefsdp.metrics import read_records
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DENSE, MOE = (os.path.join(REPO, "configs", f"debug_{m}.toml") for m in ("dense", "moe"))
+
+
+def _train(config, out_dir, *overrides):
+    train.main(["--config", config, "--metrics.out_dir", str(out_dir), *map(str, overrides)])
+    return [r["loss"] for r in read_records(str(out_dir))]
+
+
+def _error(capsys, *argv) -> str:
+    with pytest.raises(SystemExit) as exit:
+        train.main(list(map(str, argv)))
+    assert exit.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1, err  # one line
+    return err.removeprefix("simplefsdp-train: error: ")
+
+
+@pytest.mark.parametrize(
+    "config, overrides, key",
+    [
+        (MOE, ["--parallel.ep", 3], "parallel.ep: 3 does not divide dp_shard 4"),
+        (MOE, ["--model.num_experts", 6, "--parallel.ep", 4], "parallel.ep: 4 does not divide model.num_experts 6"),
+        (DENSE, ["--parallel.ep", 2], "parallel.ep: expert parallelism needs model.kind = 'moe'"),
+        (DENSE, ["--model.num_experts", 4], "model.num_experts: not a field of dense models"),
+        (DENSE, ["--model.n_heads", 5], "model.n_heads: 5 does not divide model.dim 64"),
+        (DENSE, ["--ranks", 4, "--parallel.dp_shard", 3], "parallel.dp_shard: dp_replicate 1 x dp_shard 3 x tp 1 = 3, but there are 4 ranks"),
+        (DENSE, ["--ranks", 4, "--parallel.tp", 2], "parallel.dp_shard: dp_replicate 1 x dp_shard 4 x tp 2 = 8"),
+        (DENSE, ["--training.global_batch", 6], "training.global_batch: 6 sequences do not split evenly over 4"),
+        (DENSE, ["--training.steps", "ten"], "training.steps: expected int, got 'ten'"),
+        (DENSE, ["--training.compile", "maybe"], "training.compile: expected bool, got 'maybe'"),
+        (DENSE, ["--training.param_dtype", "float16"], "training.param_dtype: must be one of"),
+        (DENSE, ["--training.stepz", 3], "training.stepz: unknown key (in [training]: steps,"),
+        (DENSE, ["--trainin.steps", 3], "trainin.steps: unknown section"),
+        (DENSE, ["--parallel.activation_checkpoint", "some"], "parallel.activation_checkpoint: must be none, full or selective"),
+        (DENSE, ["--baseline", "fsdp2", "--ranks", 4, "--parallel.dp_shard", 2, "--parallel.tp", 2],
+         "parallel.tp: the fsdp2 baseline has no tensor parallelism"),
+        (DENSE, ["--training.dataset", "/no/such/file.txt"], "training.dataset: no such file"),
+        (DENSE, ["steps", 3], "steps: unrecognized argument"),
+    ],
+)
+def test_bad_config_value_is_one_line_naming_the_key(config, overrides, key, capsys, tmp_path):
+    assert _error(capsys, "--config", config, "--metrics.out_dir", tmp_path, *overrides).startswith(key)
+
+
+def test_bad_toml_and_tokens_name_the_key(capsys, tmp_path):
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[model]\nkind = 'dense'\ndim = 'wide'\n")
+    assert _error(capsys, "--config", bad).startswith("model.dim: expected int, got 'wide'")
+    text = tmp_path / "tiny.txt"
+    text.write_text("héllo world, " * 20)
+    assert _error(capsys, "--config", DENSE, "--training.dataset", text, "--model.vocab_size", 128).startswith(
+        "training.dataset: "  # bytes >= 128 (UTF-8 of é) are not token ids of a 128-token vocabulary
+    )
+
+
+def test_checkpoint_folder_of_another_model_is_refused(capsys, tmp_path):
+    folder = tmp_path / "ckpt"
+    folder.mkdir()
+    (folder / "model.json").write_text('{"kind": "dense", "dim": 32}')
+    err = _error(capsys, "--config", DENSE, "--checkpoint.folder", folder, "--resume")
+    assert err.startswith(f"checkpoint.folder: {folder} holds checkpoints of a different model config")
+    os.remove(folder / "model.json")
+    (folder / "step-00000005").mkdir()
+    err = _error(capsys, "--config", DENSE, "--checkpoint.folder", folder)
+    assert err.startswith(f"checkpoint.folder: {folder} already holds checkpoints (last: step 5); pass --resume")
+
+
+def test_debug_moe_trains_compiled_on_4_ranks(tmp_path, capsys):
+    """README's main job: the loss falls well below uniform (log 256 = 5.55) in 30 steps."""
+    losses = _train(MOE, tmp_path, "--checkpoint.interval", 0)
+    out = capsys.readouterr().out
+    assert "SimpleFSDP compiled with passes on 4 cpu ranks (dp_shard 4 x ep 2)" in out
+    assert "step 30/30 [####################]" in out
+    assert len(losses) == 30 and losses[-1] < 0.5 * math.log(256), losses
+    assert os.listdir(tmp_path / "checkpoints") == ["model.json", "step-00000030"]
+
+
+def _children(pid: int) -> list[int]:
+    with open(f"/proc/{pid}/task/{pid}/children") as f:
+        return [int(c) for c in f.read().split()]
+
+
+def _rank_pids(pid: int) -> list[int]:
+    """The launcher's rank processes (spawned children; not multiprocessing's resource tracker)."""
+    pids = []
+    for child in _children(pid):
+        with open(f"/proc/{child}/cmdline", "rb") as f:
+            if b"spawn_main" in f.read():
+                pids.append(child)
+    return pids
+
+
+def test_killed_run_resumes_with_the_same_losses(tmp_path):
+    """SIGKILL one rank after the first checkpoint; --resume continues from the last complete
+    checkpoint and every step's loss equals the uninterrupted run's, bit for bit (eager FSDP4 x EP2)."""
+    args = ["--training.compile", "false", "--training.steps", 12, "--checkpoint.interval", 3]
+    uninterrupted = _train(MOE, tmp_path / "whole", *args)
+
+    out = tmp_path / "killed"
+    cmd = [sys.executable, "-m", "simplefsdp.train", "--config", MOE, "--metrics.out_dir", out, *args]
+    proc = subprocess.Popen(list(map(str, cmd)), cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 300
+    while not os.path.isdir(out / "checkpoints" / "step-00000003"):
+        assert proc.poll() is None and time.monotonic() < deadline, "the run ended before its first checkpoint"
+        time.sleep(0.05)
+    os.kill(_rank_pids(proc.pid)[-1], signal.SIGKILL)
+    assert proc.wait(timeout=120) != 0
+    steps_done = len(read_records(str(out)))
+    assert steps_done < 12, "the kill came after the last step"
+
+    resumed = _train(MOE, out, *args, "--resume")
+    assert resumed == uninterrupted
+
+
+def test_resume_in_another_layout(tmp_path):
+    """Saved at FSDP4 (4 ranks), resumed at FSDP2 x EP2 (2 ranks): DCP reshards every parameter
+    and optimizer state; the losses continue those of the run that did not stop."""
+    args = ["--training.compile", "false", "--parallel.ep", 1]
+    whole = _train(MOE, tmp_path / "whole", *args, "--training.steps", 6)
+    first = _train(MOE, tmp_path / "split", *args, "--training.steps", 3)
+    resumed = _train(MOE, tmp_path / "split", "--training.compile", "false", "--training.steps", 6, "--resume",
+                     "--ranks", 2, "--parallel.dp_shard", 2, "--parallel.ep", 2)
+    assert first == whole[:3] and resumed[:3] == first
+    assert max(abs(a - b) for a, b in zip(resumed[3:], whole[3:], strict=True)) < 1e-5, (resumed, whole)
+
+
+def test_fsdp2_baseline_matches_bitwise_and_compare_shows_it(tmp_path, capsys):
+    """Eager FSDP4 x EP2: SimpleFSDP and --baseline fsdp2 give the same losses bit for bit."""
+    args = ["--training.compile", "false", "--training.steps", 5]
+    ours = _train(MOE, tmp_path / "simplefsdp", *args)
+    theirs = _train(MOE, tmp_path / "fsdp2", *args, "--baseline", "fsdp2")
+    assert ours == theirs
+    capsys.readouterr()
+    compare.main([str(tmp_path / "simplefsdp"), str(tmp_path / "fsdp2" / "metrics.jsonl"), "--plot", ""])
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].split() == ["step", "simplefsdp", "fsdp2", "exact", "max", "|diff|"]
+    assert [line.split()[3] for line in lines[1:6]] == ["yes"] * 5
+    assert lines[-1] == "5/5 steps bit-for-bit equal across 2 runs"
+
+
+def test_compare_table_and_plot(tmp_path, capsys):
+    for name, losses in {"a": [2.5, 2.25, 2.0], "b": [2.5, 2.25, 2.0078125], "c": [2.5, 2.25]}.items():
+        (tmp_path / name).mkdir()
+        with open(tmp_path / name / "metrics.jsonl", "w") as f:
+            f.writelines(json.dumps({"step": i + 1, "loss": x}) + "\n" for i, x in enumerate(losses))
+    png = tmp_path / "loss.png"
+    compare.main([str(tmp_path / n) for n in "abc"] + ["--plot", str(png)])
+    out = capsys.readouterr().out
+    assert out.splitlines()[:5] == [
+        "  step             a             b             c  exact  max |diff|",
+        "     1      2.500000      2.500000      2.500000    yes           0",
+        "     2      2.250000      2.250000      2.250000    yes           0",
+        "     3      2.000000      2.007812             -     no     0.00781",
+        "2/3 steps bit-for-bit equal across 3 runs",
+    ]
+    pytest.importorskip("matplotlib")
+    assert out.splitlines()[5] == f"plot: {png}"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
