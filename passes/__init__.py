@@ -2,7 +2,8 @@
 
 :class:`SimpleFSDPPasses` runs them in order on each post-grad graph: FSDP bucketing
 (:mod:`.fsdp_bucketing`), the all-to-all overlap (:mod:`.a2a_overlap`), FSDP prefetch
-(:mod:`.fsdp_prefetch`), then the pass the user had set, if any. ``simple_fsdp(...)`` calls
+(:mod:`.fsdp_prefetch`), the gloo guard (:mod:`.gloo_one_in_flight`, always on: it works around
+a gloo crash and changes nothing elsewhere), then the pass the user had set, if any. ``simple_fsdp(...)`` calls
 :func:`install`, so a plain ``torch.compile(model)`` runs them; :func:`compile_options`
 configures them (or turns them off) for one compile::
 
@@ -22,6 +23,7 @@ from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_file
 from simplefsdp.passes.a2a_overlap import AllToAllOverlap
 from simplefsdp.passes.fsdp_bucketing import FSDPBucketing
 from simplefsdp.passes.fsdp_prefetch import FSDPPrefetch
+from simplefsdp.passes.gloo_one_in_flight import GlooOneInFlight
 
 BUCKETING = ("all", "reduce_scatter", "none")
 # all-gather buckets are not yet bitwise neutral on CPU (see FSDPBucketing): off by default
@@ -56,6 +58,7 @@ class SimpleFSDPPasses(CustomGraphPass):
             self.passes.append(AllToAllOverlap())
         if prefetch:
             self.passes.append(FSDPPrefetch(prefetch))
+        self.passes.append(GlooOneInFlight())
         self.user_pass = user_pass
 
     def __call__(self, graph: torch.fx.Graph) -> None:
@@ -104,7 +107,7 @@ def compile_options(
     blocks whose all-gathers are issued ahead (and whose reduce-scatters drain behind); 0: off.
     """
     chain = SimpleFSDPPasses(bucketing, bucket_cap_mb, a2a_overlap, prefetch, user_pass=_user_pass())
-    return {"post_grad_custom_post_pass": chain if chain.passes else chain.user_pass}
+    return {"post_grad_custom_post_pass": chain}
 
 
-__all__ = ["BUCKETING", "AllToAllOverlap", "FSDPBucketing", "FSDPPrefetch", "SimpleFSDPPasses", "compile_options", "install"]
+__all__ = ["BUCKETING", "AllToAllOverlap", "FSDPBucketing", "FSDPPrefetch", "GlooOneInFlight", "SimpleFSDPPasses", "compile_options", "install"]

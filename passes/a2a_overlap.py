@@ -23,6 +23,9 @@ of collectives stays as it was. The matmuls are then pinned between the all-to-a
 start and its wait (:func:`fx_utils.pin_after`): from FX order alone, Inductor's GPU scheduler
 moved them out of the window again in backward. The plan (per layer: each all-to-all and the
 matmuls placed under it) is written to the structured trace as ``simplefsdp_a2a_overlap``.
+
+Graphs whose collectives run on gloo are left as they are, like :mod:`.fsdp_prefetch` does:
+there every collective is waited on before the next starts (:mod:`.gloo_one_in_flight`).
 """
 
 from __future__ import annotations
@@ -96,6 +99,8 @@ class AllToAllOverlap(CustomGraphPass):
         return [(layer, all_to_alls[layer], shared[layer]) for layer in all_to_alls if shared[layer]]
 
     def __call__(self, graph: torch.fx.Graph) -> None:
+        if any(fx_utils.is_gloo(group) for group in fx_utils.collective_sequences(graph)):
+            return
         position = {n: i for i, n in enumerate(graph.nodes)}
         keys, plan, windows = {}, [], []
         for layer, starts, shared in self._layers(graph):

@@ -25,16 +25,20 @@ activations, such as tensor parallel's after an expert combine, stays). Memory: 
 changes, through :func:`fx_utils.reorder`, which keeps every dependency and each process group's
 sequence of collectives. The plan (per block, where its gathers were issued and where its
 reduce-scatters were waited on) is written to the structured trace as ``simplefsdp_fsdp_prefetch``.
+
+Graphs whose collectives run on gloo are left as they are: there every collective is waited on
+before the next starts (:mod:`.gloo_one_in_flight`), so nothing could overlap anyway.
 """
 
 from __future__ import annotations
-
 
 import torch
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 
 from simplefsdp.passes import fx_utils
-from simplefsdp.passes.fx_utils import input_closure, node_block, op_name, record_plan, reorder, wait_of
+from simplefsdp.passes.fx_utils import (
+    collective_sequences, input_closure, is_gloo, node_block, op_name, record_plan, reorder, wait_of,
+)
 
 ARTIFACT = "simplefsdp_fsdp_prefetch"
 
@@ -64,6 +68,8 @@ class FSDPPrefetch(CustomGraphPass):
         self.in_flight = in_flight
 
     def __call__(self, graph: torch.fx.Graph) -> None:
+        if any(is_gloo(group) for group in collective_sequences(graph)):
+            return
         position = {n: i for i, n in enumerate(graph.nodes)}
         keys, plan = {}, []
         gathers = list(_blocks(graph, self.GATHERS).items())

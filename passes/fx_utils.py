@@ -95,6 +95,16 @@ def collective_group(node: torch.fx.Node) -> str | None:
     return None if index is None else str(node.args[index])
 
 
+def is_gloo(group_name: str) -> bool:
+    """Whether a process group name resolves, in this process, to a gloo group."""
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    try:
+        return _resolve_process_group(group_name).name() == "gloo"
+    except (RuntimeError, ValueError):  # not a registered group here
+        return False
+
+
 def collective_sequences(graph: torch.fx.Graph) -> dict[str, list[str]]:
     """Per process group, the names of its collectives in graph order."""
     out: dict[str, list[str]] = defaultdict(list)

@@ -41,21 +41,22 @@ def describe(graph: torch.fx.Graph, group_names: dict[str, str]) -> list[str]:
     for node in graph.nodes:
         if node.op != "call_function":
             continue
-        target, args = node.target, node.args
-        if getattr(target, "__name__", "") == "control_deps":  # a node a pass pinned in order
-            subgraph = getattr(graph.owning_module, args[1].target).graph
-            target, args = next(n.target for n in subgraph.nodes if n.op == "call_function"), args[2:]
-        if not hasattr(target, "_opname"):
+        call = node  # the op itself, or for a node a pass pinned in order, the op it wraps
+        if getattr(node.target, "__name__", "") == "control_deps":
+            subgraph = getattr(graph.owning_module, node.args[1].target).graph
+            call = next(n for n in subgraph.nodes if n.op == "call_function")
+        if not hasattr(call.target, "_opname"):
             continue
-        name = target._opname
+        name = call.target._opname
         if name in COLLECTIVES:
-            group = node.args[COLLECTIVES[name]]
-            extra = f" {node.args[1]}" if name.startswith(("reduce_scatter", "all_reduce")) else ""
+            group = call.args[COLLECTIVES[name]]
+            extra = f" {call.args[1]}" if name.startswith(("reduce_scatter", "all_reduce")) else ""
             shown = name.rstrip("_").removesuffix("_out")  # in-place, out= and functional forms read alike
             started[node] = f"{shown}[{group_names.get(group, group)}]"
-            lines.append(f"{started[node]}{extra} {_dtype(node.args[0])}")
+            lines.append(f"{started[node]}{extra} {_dtype(call.args[0])}")
         elif name == "wait_tensor":
-            lines.append(f"wait {started.get(args[0], '?')}")
+            waited = node.args[2] if call is not node else node.args[0]  # wrapped: (deps, subgraph, input)
+            lines.append(f"wait {started.get(waited, '?')}")
         elif name in MATMULS:
             lines.append(f"{name} {_dtype(node)}")
     return lines

@@ -61,11 +61,12 @@ def _kinds(options) -> list:
 
 
 def test_compile_options():
-    assert _kinds(passes.compile_options()) == [("reduce_scatter",), "AllToAllOverlap", "FSDPPrefetch"]
-    assert _kinds(passes.compile_options(bucketing="all", prefetch=0)) == [("all_gather", "reduce_scatter"), "AllToAllOverlap"]
-    assert _kinds(passes.compile_options(bucketing="none", a2a_overlap=False)) == ["FSDPPrefetch"]
-    assert passes.compile_options(prefetch=2)["post_grad_custom_post_pass"].passes[-1].in_flight == 2
-    assert passes.compile_options(bucketing="none", a2a_overlap=False, prefetch=0) == {"post_grad_custom_post_pass": None}
+    guard = "GlooOneInFlight"  # always last: see passes/gloo_one_in_flight.py
+    assert _kinds(passes.compile_options()) == [("reduce_scatter",), "AllToAllOverlap", "FSDPPrefetch", guard]
+    assert _kinds(passes.compile_options(bucketing="all", prefetch=0)) == [("all_gather", "reduce_scatter"), "AllToAllOverlap", guard]
+    assert _kinds(passes.compile_options(bucketing="none", a2a_overlap=False)) == ["FSDPPrefetch", guard]
+    assert passes.compile_options(prefetch=2)["post_grad_custom_post_pass"].passes[-2].in_flight == 2
+    assert _kinds(passes.compile_options(bucketing="none", a2a_overlap=False, prefetch=0)) == [guard]
     with pytest.raises(ValueError, match="bucket_cap_mb must be positive; got 0"):
         passes.compile_options(bucket_cap_mb=0)
     with pytest.raises(ValueError, match=r"bucketing must be one of \('all', 'reduce_scatter', 'none'\); got True"):
@@ -98,7 +99,7 @@ def test_install_keeps_the_users_pass():
         chain(torch.fx.Graph())
         assert user.calls == 1
         assert passes.compile_options()["post_grad_custom_post_pass"].user_pass is user
-        assert passes.compile_options(bucketing="none", a2a_overlap=False, prefetch=0) == {"post_grad_custom_post_pass": user}
+        assert passes.compile_options(bucketing="none", a2a_overlap=False, prefetch=0)["post_grad_custom_post_pass"].user_pass is user
         assert chain.uuid() != passes.SimpleFSDPPasses().uuid()  # the user's pass is in the cache key
     with torch._inductor.config.patch(post_grad_custom_post_pass=lambda graph: None):
         passes.install()
@@ -564,3 +565,47 @@ reduce_scatter_tensor[dp_shard] avg float32
 wait reduce_scatter_tensor[dp_shard]
 reduce_scatter_tensor[dp_shard] avg float32
 wait reduce_scatter_tensor[dp_shard]""")
+
+
+def _gloo_guard_body():
+    """On a 1-rank gloo group: two all-gathers in flight around a matmul, before and after the guard."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    import torch.distributed as dist
+    from simplefsdp.passes.fsdp_prefetch import FSDPPrefetch
+    from simplefsdp.passes.gloo_one_in_flight import GlooOneInFlight
+    from tests.graphs import describe
+
+    group = dist.group.WORLD.group_name
+    c10d = torch.ops._c10d_functional
+
+    def step(w0, w1, x):
+        a0 = c10d.all_gather_into_tensor(w0, 1, group)
+        a1 = c10d.all_gather_into_tensor(w1, 1, group)
+        y = torch.mm(x, x)
+        return torch.mm(y, c10d.wait_tensor(a0)) + torch.mm(y, c10d.wait_tensor(a1))
+
+    graph = make_fx(step)(torch.ones(4, 4), torch.ones(4, 4), torch.ones(4, 4)).graph
+    names = {group: "world"}
+    before = describe(graph, names)
+    FSDPPrefetch(1)(graph)  # leaves gloo graphs alone
+    after_prefetch = describe(graph, names)
+    GlooOneInFlight()(graph)
+    graph.lint()
+    return before, after_prefetch, describe(graph, names)
+
+
+def test_gloo_guard_keeps_one_collective_in_flight():
+    from simplefsdp.launch import run_ranks
+
+    before, after_prefetch, after = run_ranks(_gloo_guard_body, 1, timeout=120)[0]
+    assert before == [
+        "all_gather_into_tensor[world] float32", "all_gather_into_tensor[world] float32", "mm float32",
+        "wait all_gather_into_tensor[world]", "mm float32", "wait all_gather_into_tensor[world]", "mm float32",
+    ]
+    assert after_prefetch == before
+    assert after == [
+        "all_gather_into_tensor[world] float32", "wait all_gather_into_tensor[world]",
+        "all_gather_into_tensor[world] float32", "mm float32",
+        "mm float32", "wait all_gather_into_tensor[world]", "mm float32",
+    ]
