@@ -131,6 +131,7 @@ def test_killed_run_resumes_with_the_same_losses(tmp_path):
     assert resumed == uninterrupted
 
 
+@pytest.mark.slow
 def test_resume_in_another_layout(tmp_path):
     """Saved at FSDP4 (4 ranks), resumed at FSDP2 x EP2 (2 ranks): DCP reshards every parameter
     and optimizer state; the losses continue those of the run that did not stop."""
@@ -143,6 +144,7 @@ def test_resume_in_another_layout(tmp_path):
     assert max(abs(a - b) for a, b in zip(resumed[3:], whole[3:], strict=True)) < 1e-5, (resumed, whole)
 
 
+@pytest.mark.slow
 def test_fsdp2_baseline_matches_bitwise_and_compare_shows_it(tmp_path, capsys):
     """Eager FSDP4 x EP2: SimpleFSDP and --baseline fsdp2 give the same losses bit for bit."""
     args = ["--training.compile", "false", "--training.steps", 5]
