@@ -84,14 +84,23 @@ def test_checkpoint_folder_of_another_model_is_refused(capsys, tmp_path):
     assert err.startswith(f"checkpoint.folder: {folder} already holds checkpoints (last: step 5); pass --resume")
 
 
-def test_debug_moe_trains_compiled_on_4_ranks(tmp_path, capsys):
+def test_debug_moe_trains_compiled_on_4_ranks(tmp_path, capfd):
     """README's main job: the loss falls well below uniform (log 256 = 5.55) in 30 steps."""
     losses = _train(MOE, tmp_path, "--checkpoint.interval", 0)
-    out = capsys.readouterr().out
+    out = capfd.readouterr().out  # rank 0 prints: its fd, not this process's sys.stdout
     assert "SimpleFSDP compiled with passes on 4 cpu ranks (dp_shard 4 x ep 2)" in out
     assert "step 30/30 [####################]" in out
     assert len(losses) == 30 and losses[-1] < 0.5 * math.log(256), losses
     assert os.listdir(tmp_path / "checkpoints") == ["model.json", "step-00000030"]
+
+
+@pytest.mark.slow
+def test_debug_dense_trains_compiled_on_4_ranks(tmp_path, capfd):
+    losses = _train(DENSE, tmp_path, "--training.steps", 5, "--checkpoint.interval", 2)
+    out = capfd.readouterr().out
+    assert "dense model" in out and "SimpleFSDP compiled with passes on 4 cpu ranks (dp_shard 4)" in out
+    assert len(losses) == 5 and losses[-1] < losses[0]
+    assert sorted(os.listdir(tmp_path / "checkpoints")) == ["model.json", "step-00000002", "step-00000004", "step-00000005"]
 
 
 def _children(pid: int) -> list[int]:
