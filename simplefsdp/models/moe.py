@@ -40,8 +40,8 @@ class MoEConfig(TransformerConfig):
 
 
 def _init_stacked(*weights: torch.Tensor) -> None:
-    for w in weights:
-        nn.init.trunc_normal_(w, std=w.shape[1] ** -0.5)
+    for w in weights:  # [..., fan_in, fan_out]
+        nn.init.trunc_normal_(w, std=w.shape[-2] ** -0.5)
 
 
 def grouped_swiglu(x, w1, w2, w3, counts: torch.Tensor) -> torch.Tensor:
@@ -114,13 +114,17 @@ class GroupedExperts(nn.Module):
 
 
 class SharedExperts(nn.Module):
-    """The always-on experts fused into one SwiGLU, run as a one-group grouped matmul."""
+    """The always-on experts fused into one SwiGLU, run as a one-group grouped matmul.
+
+    The weights are 2-D (no group dim): FSDP shards dim 0, and a group dim of size 1 would be
+    padded to the shard degree, gathering and reducing that many times the bytes.
+    """
 
     def __init__(self, dim: int, hidden: int):
         super().__init__()
-        self.w1 = nn.Parameter(torch.empty(1, dim, hidden))
-        self.w3 = nn.Parameter(torch.empty(1, dim, hidden))
-        self.w2 = nn.Parameter(torch.empty(1, hidden, dim))
+        self.w1 = nn.Parameter(torch.empty(dim, hidden))
+        self.w3 = nn.Parameter(torch.empty(dim, hidden))
+        self.w2 = nn.Parameter(torch.empty(hidden, dim))
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -128,7 +132,7 @@ class SharedExperts(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         counts = torch.full((1,), x.shape[0], dtype=torch.int32, device=x.device)
-        return grouped_swiglu(x, self.w1, self.w2, self.w3, counts)
+        return grouped_swiglu(x, self.w1.unsqueeze(0), self.w2.unsqueeze(0), self.w3.unsqueeze(0), counts)
 
 
 class MoE(nn.Module):
