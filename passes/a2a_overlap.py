@@ -99,7 +99,7 @@ class AllToAllOverlap(CustomGraphPass):
         return [(layer, all_to_alls[layer], shared[layer]) for layer in all_to_alls if shared[layer]]
 
     def __call__(self, graph: torch.fx.Graph) -> None:
-        if any(fx_utils.is_gloo(group) for group in fx_utils.collective_sequences(graph)):
+        if fx_utils.runs_on_gloo(graph):
             return
         position = {n: i for i, n in enumerate(graph.nodes)}
         keys, plan, windows = {}, [], []

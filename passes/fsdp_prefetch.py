@@ -36,9 +36,7 @@ import torch
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 
 from simplefsdp.passes import fx_utils
-from simplefsdp.passes.fx_utils import (
-    collective_sequences, input_closure, is_gloo, node_block, op_name, record_plan, reorder, wait_of,
-)
+from simplefsdp.passes.fx_utils import input_closure, node_block, op_name, record_plan, reorder, wait_of
 
 ARTIFACT = "simplefsdp_fsdp_prefetch"
 
@@ -68,7 +66,7 @@ class FSDPPrefetch(CustomGraphPass):
         self.in_flight = in_flight
 
     def __call__(self, graph: torch.fx.Graph) -> None:
-        if any(is_gloo(group) for group in collective_sequences(graph)):
+        if fx_utils.runs_on_gloo(graph):
             return
         position = {n: i for i, n in enumerate(graph.nodes)}
         keys, plan = {}, []

@@ -105,6 +105,11 @@ def is_gloo(group_name: str) -> bool:
         return False
 
 
+def runs_on_gloo(graph: torch.fx.Graph) -> bool:
+    """Whether any collective of ``graph`` runs on a gloo group (see :mod:`.gloo_one_in_flight`)."""
+    return any(is_gloo(group) for group in collective_sequences(graph))
+
+
 def collective_sequences(graph: torch.fx.Graph) -> dict[str, list[str]]:
     """Per process group, the names of its collectives in graph order."""
     out: dict[str, list[str]] = defaultdict(list)
