@@ -1,0 +1,266 @@
+"""Training step time on one GPU: SimpleFSDP against FSDP2 on the same model, data and seed.
+
+For each model config (``configs/gpu_dense.toml``, ``configs/gpu_moe.toml``: bf16 parameters,
+fp32 gradient reduction) and each activation-checkpointing setting, it trains
+
+* SimpleFSDP compiled with our passes, and without them,
+* SimpleFSDP eager,
+* FSDP2 eager, and FSDP2 with every block compiled on its own (``Module.compile``, as torchtitan
+  does),
+
+through the training entry point's own ``build`` and ``train_step`` (AdamW, gradient clipping).
+Warm-up steps (the first compiles) are excluded; the median of the timed steps, measured with
+CUDA events, gives tokens/s. It reports the ratio to FSDP2 eager, peak allocated and reserved
+memory, MFU (:func:`simplefsdp.metrics.flops_per_token` over the bf16 peak), the warm-up's extra
+time (compile time, with Inductor's caches off so every compile is cold) and whether the losses of
+the runs with and without passes are equal bit for bit. With ``--profile`` the compiled SimpleFSDP
+and eager FSDP2 runs are profiled for a few more steps and their GPU time split into communication
+(NCCL kernels), copies and compute.
+
+On one GPU every process group has one rank: collectives are local copies, so this measures what
+the compiler does to compute, memory and launch overhead, not communication
+(``benchmarks/comm_model.py`` models that).
+
+    python benchmarks/step_time.py --models moe --out benchmarks/results/step_time_moe_h200.json --profile
+    python benchmarks/step_time.py --report benchmarks/results/step_time_*.json   # RESULTS.md section
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import statistics
+import time
+import traceback
+
+import torch
+import torch.distributed as dist
+
+from simplefsdp.config import load, validate
+from simplefsdp.data import token_stream
+from simplefsdp.metrics import flops_per_token, peak_flops
+from simplefsdp.train import build, train_step
+
+from report import command_line, environment, table, write_section
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CONFIGS = {"dense": "configs/gpu_dense.toml", "moe": "configs/gpu_moe.toml"}
+# name -> (training.baseline, training.compile, training.passes)
+MODES = {
+    "SimpleFSDP compiled": ("simplefsdp", True, True),
+    "SimpleFSDP compiled (no passes)": ("simplefsdp", True, False),
+    "SimpleFSDP eager": ("simplefsdp", False, True),
+    "FSDP2 eager": ("fsdp2", False, True),
+    "FSDP2 compiled per block": ("fsdp2", True, True),
+}
+REFERENCE = "FSDP2 eager"
+PROFILED = ("SimpleFSDP compiled", "FSDP2 eager")
+
+
+class StepTimer:
+    """Times one step: CUDA events on a GPU, the wall clock elsewhere."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+
+    def __enter__(self):
+        self.wall = time.perf_counter()
+        if self.cuda:
+            self.start, self.end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            self.start.record()
+        return self
+
+    def __exit__(self, *exc):
+        if self.cuda:
+            self.end.record()
+            self.end.synchronize()
+            self.seconds = self.start.elapsed_time(self.end) / 1e3
+        self.wall = time.perf_counter() - self.wall
+        if not self.cuda:
+            self.seconds = self.wall
+
+
+def gpu_time_split(prof) -> dict[str, float]:
+    """Seconds of GPU kernel time in a profile: NCCL communication, copies/memsets, the rest."""
+    split = {"comm": 0.0, "copy": 0.0, "compute": 0.0}
+    for event in prof.events():
+        # kernels only: record_function ranges show up on the device timeline too
+        if event.device_type != torch.autograd.DeviceType.CUDA or getattr(event, "is_user_annotation", False):
+            continue
+        name = event.name.lower()
+        kind = "comm" if "nccl" in name else "copy" if name.startswith(("memcpy", "memset")) else "compute"
+        split[kind] += event.device_time / 1e6  # microseconds
+    return split
+
+
+def profile_steps(step, steps: int) -> dict:
+    """Profile ``steps`` calls of ``step()``: wall seconds per step and the GPU time split."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        begin = time.perf_counter()
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+        wall = (time.perf_counter() - begin) / steps
+    split = {k: v / steps for k, v in gpu_time_split(prof).items()}
+    return dict(step_s=wall, **{f"{k}_s": v for k, v in split.items()}, comm_fraction=split["comm"] / wall)
+
+
+def run_one(model_name: str, mode: str, ac: str, *, warmup: int, steps: int, device: torch.device,
+            profile: int, overrides: list[tuple[str, str]] = ()) -> dict:
+    baseline, compiled, passes = MODES[mode]
+    overrides = [*overrides, ("parallel.activation_checkpoint", ac), ("training.baseline", baseline),
+                 ("training.compile", str(compiled)), ("training.passes", str(passes))]
+    cfg = load(os.path.join(ROOT, CONFIGS[model_name]), overrides)
+    validate(cfg, 1)
+    t = cfg.training
+    model, runner, optimizer = build(cfg, 1, device.type)
+    stream = token_stream(t.dataset, cfg.model_config().vocab_size, t.global_batch, t.seq_len, t.seed)
+    params = list(model.parameters())
+    losses, timers = [], []
+
+    def step(i: int) -> None:
+        batch = tuple(x.to(device) for x in stream.batch(i))
+        with StepTimer(device) as timer:
+            loss, _ = train_step(runner, optimizer, batch, params=params, dp_size=1, max_norm=t.max_norm)
+        losses.append(loss)
+        timers.append(timer)
+
+    for i in range(warmup + steps):
+        step(i)
+    median = statistics.median(tm.seconds for tm in timers[warmup:])
+    tokens_per_s = t.global_batch * t.seq_len / median
+    peak = peak_flops(device)
+    row = dict(
+        model=model_name, ac=ac, mode=mode, tokens_per_step=t.global_batch * t.seq_len, tokens_per_s=tokens_per_s, step_ms=1e3 * median,
+        mfu=tokens_per_s * flops_per_token(cfg.model_config(), t.seq_len) / peak if peak else None,
+        compile_s=sum(tm.wall for tm in timers[:warmup]) - warmup * median if compiled else None,
+        first_step_s=timers[0].wall, losses=list(losses),
+    )
+    if device.type == "cuda":
+        row.update(peak_allocated_gib=torch.cuda.max_memory_allocated() / 2**30,
+                   peak_reserved_gib=torch.cuda.max_memory_reserved() / 2**30)
+        if profile and mode in PROFILED:
+            row["profile"] = profile_steps(lambda: step(len(losses)), profile)
+    return row
+
+
+def fresh_device_state(device: torch.device) -> None:
+    torch._dynamo.reset()
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+
+
+def add_comparisons(rows: list[dict], deterministic: bool) -> None:
+    """Ratio of tokens/s to FSDP2 eager, and (deterministic runs only) bitwise loss equality of
+    passes on vs off."""
+    by_key = {(r["model"], r["ac"], r["mode"]): r for r in rows}
+    for r in rows:
+        ref = by_key.get((r["model"], r["ac"], REFERENCE))
+        ok = ref is not None and "error" not in ref and "error" not in r
+        r["ratio"] = r["tokens_per_s"] / ref["tokens_per_s"] if ok else None
+        r["memory_ratio"] = r["peak_allocated_gib"] / ref["peak_allocated_gib"] if ok and "peak_allocated_gib" in r else None
+        if r["mode"] == "SimpleFSDP compiled" and deterministic:
+            off = by_key.get((r["model"], r["ac"], "SimpleFSDP compiled (no passes)"))
+            r["losses_equal_no_passes"] = off["losses"] == r["losses"] if off and "error" not in off and "error" not in r else None
+
+
+def markdown(results: list[dict]) -> str:
+    """Step-time and profile tables for RESULTS.md (or stdout) from one or more result files."""
+    out = []
+    for res in results:
+        rows = res["rows"]
+        tokens = sorted({r["tokens_per_step"] for r in rows if "tokens_per_step" in r})
+        out.append(f"**{res['environment']}**: `{res['command']}`; {res['warmup']} warm-up steps, median of "
+                   f"{res['steps']} timed steps; {'/'.join(map(str, tokens))} tokens per step"
+                   f"{'; deterministic kernels' if res.get('deterministic') else ''}.\n")
+        out.append(table(
+            ["model", "AC", "run", "tokens/s", "× FSDP2 eager", "step ms", "peak alloc GiB", "× FSDP2 mem",
+             "peak reserved GiB", "MFU %", "compile s", "losses = no passes"],
+            [[r["model"], r["ac"], r["mode"], r.get("tokens_per_s"), _num(r.get("ratio"), 2), r.get("step_ms"),
+              r.get("peak_allocated_gib"), _num(r.get("memory_ratio"), 2), r.get("peak_reserved_gib"),
+              _num(100 * r["mfu"], 1) if r.get("mfu") else None, r.get("compile_s"),
+              {True: "bitwise", False: "differ", None: None}[r.get("losses_equal_no_passes")]]
+             if "error" not in r else [r["model"], r["ac"], r["mode"], "failed: " + r["error"]] + [None] * 8
+             for r in rows]))
+        profiled = [r for r in rows if "profile" in r]
+        if profiled:
+            out.append("\nGPU time per step from the torch profiler (NCCL kernels = communication):\n")
+            out.append(table(
+                ["model", "AC", "run", "step ms", "NCCL ms", "copy/memset ms", "other kernels ms", "NCCL % of step"],
+                [[r["model"], r["ac"], r["mode"], 1e3 * p["step_s"], _num(1e3 * p["comm_s"], 2), _num(1e3 * p["copy_s"], 2),
+                  1e3 * p["compute_s"], _num(100 * p["comm_fraction"], 2)] for r in profiled for p in [r["profile"]]]))
+        out.append("")
+    return "\n".join(out)
+
+
+def _num(value, digits: int):
+    return None if value is None else f"{value:.{digits}f}"
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--models", default="dense,moe", help=f"comma-separated, from {sorted(CONFIGS)}")
+    p.add_argument("--modes", default=",".join(MODES), help="comma-separated run names")
+    p.add_argument("--ac", default="none,full", help="activation checkpointing settings to run")
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="config override for every run, e.g. model.n_layers=2 (repeatable)")
+    p.add_argument("--profile", type=int, nargs="?", const=3, default=0, help="profile this many extra steps")
+    p.add_argument("--deterministic", action="store_true",
+                   help="deterministic kernels (torch.use_deterministic_algorithms), for the bitwise loss column")
+    p.add_argument("--out", help="results JSON")
+    p.add_argument("--report", nargs="+", metavar="JSON", help="write the RESULTS.md section from result files")
+    args = p.parse_args()
+    if args.report:
+        results = [json.load(open(path)) for path in args.report]
+        for res in results:
+            add_comparisons(res["rows"], res.get("deterministic", False))
+        text = markdown(results)
+        write_section("step_time", "## Step time on one GPU\n\n" + text)
+        print(text)
+        return
+
+    cuda = torch.cuda.is_available()
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29517")
+    dist.init_process_group("nccl" if cuda else "gloo", rank=0, world_size=1)
+    device = torch.device("cuda", 0) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    torch._inductor.config.force_disable_caches = True  # every compile cold, so compile times compare
+    if args.deterministic:  # scatter-add kernels (MoE, embedding backward) use atomics otherwise
+        os.environ["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"
+        torch.use_deterministic_algorithms(True)
+    result = dict(environment=environment(torch.cuda.get_device_name() if cuda else "CPU"), command=command_line(),
+                  warmup=args.warmup, steps=args.steps, deterministic=args.deterministic, rows=[])
+    rows = result["rows"]
+    for model_name in args.models.split(","):
+        for ac in args.ac.split(","):
+            for mode in args.modes.split(","):
+                fresh_device_state(device)
+                try:
+                    row = run_one(model_name, mode, ac, warmup=args.warmup, steps=args.steps, device=device,
+                                  profile=args.profile, overrides=[kv.split("=", 1) for kv in args.set])
+                except Exception as e:  # one failed run (a compile error, OOM) must not lose the others
+                    traceback.print_exc()
+                    row = dict(model=model_name, ac=ac, mode=mode, error=f"{type(e).__name__}: {str(e)[:200]}")
+                rows.append(row)
+                print({k: v for k, v in row.items() if k != "losses"}, flush=True)
+                add_comparisons(rows, args.deterministic)
+                if args.out:  # after every run, so a run cut short keeps what it measured
+                    with open(args.out, "w") as f:
+                        json.dump(result, f, indent=1)
+    print("\n" + markdown([result]))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
