@@ -1,0 +1,425 @@
+"""Communication cost model: exposed communication per training step at N GPUs, passes on vs off.
+
+No GPUs needed. For a config and a parallel layout at world size N, one process under the fake
+process group (rank 0 of N) compiles forward and backward with a backend that runs Inductor's
+own graph pipeline (decompositions, joint-graph passes, partitioner, post-grad passes) up to the
+point where it would generate code, and keeps the post-grad graph twice: before our passes (the
+graph compiled with the passes off) and after them. The compiled functions never run: they
+return empty tensors of the right shapes, so a 1.7B-parameter model costs only its tracing.
+
+The graphs are the GPU's: experts run on ``torch._grouped_mm`` as they do on CUDA in bf16 (its CPU
+stand-in indexes weights per row, which changes what backward saves and so what it re-gathers),
+and attention counts the FLOPs of the fused kernel. Each graph is then costed node by node:
+
+* a collective moves its bytes over its process group: ``latency + bytes * (n-1)/n / bandwidth``
+  (twice that for an all-reduce), with the NVLink bus bandwidth for groups inside one node of
+  ``--gpus-per-node`` ranks and the inter-node bandwidth for groups that span nodes;
+* a matmul, grouped matmul or attention node costs its FLOPs at a compute rate; other nodes cost
+  nothing. Two rates are reported: the measured dense matmul ceiling
+  (``benchmarks/results/moe_kernels_h200.json``), which leaves out all non-matmul time and so
+  overstates what communication cannot hide, and the model FLOP/s that compiled SimpleFSDP reached
+  on one GPU (``benchmarks/results/step_time_moe_h200.json``), which spreads the measured step
+  time over the matmuls;
+
+and simulated in graph order with one compute stream and one stream per process group: a
+collective starts once the compute stream has reached it and its group's previous collective has
+finished; a wait stalls the compute stream until its collective is done. Exposed communication is
+the total stall. Routing is assumed balanced: every expert-parallel split (an unbacked size in the
+graph) is the rank's routed rows over ``ep``. Each rank trains on ``--seqs-per-rank`` sequences.
+
+    python benchmarks/comm_model.py --worlds 8,64 [--out benchmarks/results/comm_model.json] [--results-md]
+    python benchmarks/comm_model.py --report benchmarks/results/comm_model.json   # RESULTS.md section
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import json
+import os
+import time
+from unittest import mock
+
+import sympy
+import torch
+import torch.distributed as dist
+from torch._guards import detect_fake_mode
+from torch._inductor.compile_fx import _recursive_post_grad_passes, compile_fx
+from torch._inductor.virtualized import V
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.testing._internal.distributed.fake_pg import FakeStore
+from torch.utils.flop_counter import sdpa_backward_flop_count, sdpa_flop_count
+
+import simplefsdp.grouped_mm
+import simplefsdp.models.moe
+from simplefsdp.config import load, validate
+from simplefsdp.metrics import flops_per_token
+from simplefsdp.models.llama import cross_entropy_loss
+from simplefsdp.passes import SimpleFSDPPasses
+from simplefsdp.passes.fx_utils import collective_group, op_name
+from simplefsdp.train import build
+
+from report import command_line, environment, table, write_section
+from step_time import CONFIGS as STEP_TIME_CONFIGS
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+KERNELS = os.path.join(ROOT, "benchmarks", "results", "moe_kernels_h200.json")
+STEP_TIME = os.path.join(ROOT, "benchmarks", "results", "step_time_moe_h200.json")
+COLLECTIVES = {  # op -> (kind, bytes of: "in" input / "out" output)
+    "all_gather_into_tensor": ("all_gather", "out"),
+    "all_gather_into_tensor_out": ("all_gather", "out"),
+    "all_gather_single": ("all_gather", "out"),
+    "reduce_scatter_tensor": ("reduce_scatter", "in"),
+    "reduce_scatter_single": ("reduce_scatter", "in"),
+    "all_reduce": ("all_reduce", "in"),
+    "all_reduce_": ("all_reduce", "in"),
+    "all_to_all_single": ("all_to_all", "in"),
+}
+MATMULS = {"mm", "addmm", "bmm", "baddbmm", "_grouped_mm"}
+ATTENTION = {"_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention",
+             "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention"}
+
+
+@dataclasses.dataclass
+class Layout:
+    """A parallel layout: dp_shard takes the ranks that dp_replicate, tp and ep leave."""
+
+    dp_replicate: int = 1
+    tp: int = 1
+    ep: int = 1
+    hsdp_shard: int = 0  # HSDP: this many ranks per shard group, dp_replicate the rest
+
+    def degrees(self, world: int) -> dict[str, int]:
+        replicate = world // self.hsdp_shard if self.hsdp_shard else self.dp_replicate
+        return dict(dp_replicate=replicate, dp_shard=world // (replicate * self.tp), tp=self.tp, ep=self.ep)
+
+    def name(self, world: int) -> str:
+        d = self.degrees(world)
+        head = f"HSDP {d['dp_replicate']}x{d['dp_shard']}" if self.hsdp_shard else f"FSDP{d['dp_shard']}"
+        experts = f" (experts FSDP{d['dp_shard'] * self.tp // self.ep}×EP{self.ep})" if self.ep > 1 else ""
+        return head + (f"×TP{self.tp}" if self.tp > 1 else "") + experts
+
+
+LAYOUTS = {"fsdp": Layout(), "fsdp_ep2": Layout(ep=2), "fsdp_tp2_ep2": Layout(tp=2, ep=2),
+           "hsdp_4": Layout(hsdp_shard=4)}
+
+
+@dataclasses.dataclass
+class Node:
+    """What the simulation needs of one graph node."""
+
+    name: str
+    kind: str  # collective | wait | compute
+    op: str
+    group: str | None = None
+    nbytes: int = 0
+    flops: int = 0
+    waits_for: str | None = None
+
+
+def _concrete(value, unbacked: dict) -> int:
+    """An int from a size that may hold unbacked symbols (replaced by their balanced values)."""
+    if isinstance(value, torch.SymInt):
+        expr = sympy.sympify(value.node.expr).xreplace(unbacked)
+        if expr.free_symbols:
+            raise ValueError(f"size {value.node.expr} depends on symbols the model does not know: {expr.free_symbols}")
+        return int(expr)
+    return int(value)
+
+
+def _shape(val, unbacked: dict) -> list[int]:
+    return [_concrete(s, unbacked) for s in val.shape]
+
+
+def _nbytes(val, unbacked: dict) -> int:
+    numel = 1
+    for s in _shape(val, unbacked):
+        numel *= s
+    return numel * val.dtype.itemsize
+
+
+def _called(node: torch.fx.Node) -> torch.fx.Node:
+    """The op of a node, or for a node a pass pinned with control_deps, the op it wraps."""
+    if getattr(node.target, "__name__", "") == "control_deps":
+        subgraph = getattr(node.graph.owning_module, node.args[1].target).graph
+        return next(n for n in subgraph.nodes if n.op == "call_function")
+    return node
+
+
+def _flops(name: str, node: torch.fx.Node, unbacked: dict) -> int:
+    vals = [a.meta["val"] for a in node.args if isinstance(a, torch.fx.Node)]
+    if name in MATMULS:  # [.., m, k] @ [.., k, n] and the grouped forms: 2 * numel(a) * n
+        a, b = vals[-2:] if name in ("addmm", "baddbmm") else vals[:2]
+        numel = 1
+        for s in _shape(a, unbacked):
+            numel *= s
+        return 2 * numel * _shape(b, unbacked)[-1]
+    if name in ATTENTION:
+        q, k, v = (_shape(x, unbacked) for x in vals[:3])
+        return sdpa_flop_count(q, k, v)
+    if name.endswith("_backward") and name.removesuffix("_backward") in ATTENTION:
+        grad_out, q, k, v = (_shape(x, unbacked) for x in vals[:4])
+        return sdpa_backward_flop_count(grad_out, q, k, v)
+    return 0
+
+
+def snapshot(graph: torch.fx.Graph, unbacked: dict) -> list[Node]:
+    """The graph's collectives, waits and FLOP-costing nodes, in order."""
+    out = []
+    for node in graph.nodes:
+        if node.op != "call_function":
+            continue
+        call = _called(node)
+        name = op_name(call)
+        if name in COLLECTIVES:
+            kind, side = COLLECTIVES[name]
+            val = call.meta["val"] if side == "out" else call.args[0].meta["val"]
+            out.append(Node(node.name, "collective", kind, collective_group(call), _nbytes(val, unbacked)))
+        elif name == "wait_tensor":
+            waited = node.args[2] if call is not node else node.args[0]
+            out.append(Node(node.name, "wait", name, waits_for=waited.name))
+        elif flops := _flops(name or "", call, unbacked):
+            out.append(Node(node.name, "compute", name, flops=flops))
+    return out
+
+
+class Capture:
+    """A torch.compile backend: Inductor's pipeline up to code generation, graphs kept, no run.
+
+    ``graphs`` collects ``(forward|backward, {"off": nodes, "on": nodes})`` in compile order.
+    """
+
+    def __init__(self, passes: SimpleFSDPPasses, unbacked_value: int):
+        self.passes, self.unbacked_value = passes, unbacked_value
+        self.graphs: list[tuple[str, dict[str, list[Node]]]] = []
+
+    def __call__(self, gm, example_inputs):
+        return compile_fx(gm, example_inputs, inner_compile=self._inner)
+
+    def _unbacked(self, graph: torch.fx.Graph) -> dict:
+        # the only data-dependent sizes are the expert-parallel splits read with tolist()
+        symbols = {}
+        for node in graph.nodes:
+            val = node.meta.get("val")
+            if isinstance(val, torch.SymInt):
+                symbols.update({s: sympy.Integer(self.unbacked_value) for s in sympy.sympify(val.node.expr).free_symbols})
+        return symbols
+
+    def _keep(self, graph: torch.fx.Graph, when: str, kept: dict) -> None:
+        kept[when] = snapshot(graph, self._unbacked(graph))
+
+    def _inner(self, gm, example_inputs, **kwargs):
+        kept = {}
+
+        def post_pass(graph):
+            self._keep(graph, "off", kept)
+            self.passes(graph)
+            self._keep(graph, "on", kept)
+
+        fake_mode = detect_fake_mode(example_inputs) or FakeTensorMode()
+        with torch._inductor.config.patch(post_grad_custom_post_pass=post_pass), V.set_fake_mode(fake_mode):
+            _recursive_post_grad_passes(gm, is_inference=False)
+        self.graphs.append(("backward" if kwargs.get("is_backward") else "forward", kept))
+        unbacked = self._unbacked(gm.graph)
+        outputs = next(n for n in gm.graph.nodes if n.op == "output").args[0]
+
+        def dry_run(args):
+            args.clear()
+            return [_empty_like(o.meta["val"], unbacked) if isinstance(o, torch.fx.Node) else o for o in outputs]
+
+        dry_run._boxed_call = True
+        return dry_run
+
+
+def _empty_like(val, unbacked: dict):
+    if isinstance(val, torch.Tensor):
+        shape = _shape(val, unbacked)
+        return torch.empty(shape, dtype=val.dtype, device=val.device)
+    if isinstance(val, torch.SymInt):
+        return _concrete(val, unbacked)
+    return val
+
+
+@dataclasses.dataclass
+class Links:
+    """Collective cost parameters."""
+
+    intra_gbps: float = 370.0  # NVLink bus bandwidth per GPU, GB/s
+    inter_gbps: float = 50.0  # between nodes, GB/s per GPU
+    latency_us: float = 10.0  # per collective
+    gpus_per_node: int = 8
+
+    def seconds(self, kind: str, nbytes: int, ranks: list[int]) -> float:
+        n = len(ranks)
+        if n == 1:
+            return 0.0
+        inside = len({r // self.gpus_per_node for r in ranks}) == 1
+        bandwidth = 1e9 * (self.intra_gbps if inside else self.inter_gbps)
+        factor = 2 if kind == "all_reduce" else 1
+        return self.latency_us * 1e-6 + factor * nbytes * (n - 1) / n / bandwidth
+
+
+def simulate(graphs: list[list[Node]], group_ranks: dict[str, list[int]], links: Links, flops_per_s: float) -> dict:
+    """Step time, compute, communication and exposed communication (seconds) of graphs run in order."""
+    now = compute = comm = exposed = 0.0
+    free, done = {}, {}
+    for nodes in graphs:
+        for node in nodes:
+            if node.kind == "compute":
+                cost = node.flops / flops_per_s
+                now += cost
+                compute += cost
+            elif node.kind == "collective":
+                cost = links.seconds(node.op, node.nbytes, group_ranks[node.group])
+                start = max(now, free.get(node.group, 0.0))
+                free[node.group] = done[node.name] = start + cost
+                comm += cost
+            elif node.waits_for in done:
+                stall = max(0.0, done[node.waits_for] - now)
+                exposed += stall
+                now += stall
+    return dict(step_s=now, compute_s=compute, comm_s=comm, exposed_s=exposed)
+
+
+def _group_ranks(nodes: list[Node]) -> dict[str, list[int]]:
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    return {n.group: dist.get_process_group_ranks(_resolve_process_group(n.group)) for n in nodes if n.group}
+
+
+@contextlib.contextmanager
+def grouped_mm_kernels():
+    """Trace experts through ``torch._grouped_mm`` on the CPU too (bf16), as they run on a GPU."""
+    native = lambda x, w: x.dtype == w.dtype == torch.bfloat16
+    with mock.patch.object(simplefsdp.grouped_mm, "native_available", native), \
+            mock.patch.object(simplefsdp.models.moe, "native_available", native):
+        yield
+
+
+def model_layout(config: str, layout: Layout, world: int, seqs_per_rank: int, passes: SimpleFSDPPasses):
+    """Compile one step of ``config`` at ``world`` ranks in ``layout``; the captured graphs."""
+    d = layout.degrees(world)
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
+    try:
+        dp = d["dp_replicate"] * d["dp_shard"]
+        cfg = load(os.path.join(ROOT, config), [
+            ("parallel.dp_replicate", str(d["dp_replicate"])), ("parallel.dp_shard", str(d["dp_shard"])),
+            ("parallel.tp", str(d["tp"])), ("parallel.ep", str(d["ep"])), ("training.compile", "false"),
+            ("training.global_batch", str(dp * seqs_per_rank)),
+        ] + ([("parallel.mode", "hybrid_shard")] if layout.hsdp_shard else []))
+        validate(cfg, world)
+        model, _, _ = build(cfg, world, "cpu")
+        m, t = cfg.model_config(), cfg.training
+        routed_rows = seqs_per_rank * t.seq_len * getattr(m, "top_k", 1) // d["tp"]
+        capture = Capture(passes, routed_rows // d["ep"])
+        step = torch.compile(lambda x, y: cross_entropy_loss(model(x), y), backend=capture, fullgraph=True)
+        tokens = torch.zeros(seqs_per_rank, t.seq_len, dtype=torch.long)
+        with grouped_mm_kernels():
+            step(tokens, tokens).backward()
+        graphs = capture.graphs
+        ranks = _group_ranks([n for _, g in graphs for n in g["off"] + g["on"]])
+        return graphs, ranks
+    finally:
+        torch._dynamo.reset()
+        dist.destroy_process_group()
+
+
+def _summary(nodes: list[Node]) -> dict[str, list]:
+    """Per collective kind: [count, GB]."""
+    out = {}
+    for n in nodes:
+        if n.kind == "collective":
+            count, gb = out.get(n.op, [0, 0.0])
+            out[n.op] = [count + 1, gb + n.nbytes / 1e9]
+    return out
+
+
+def achieved_tflops(path: str = STEP_TIME) -> float | None:
+    """Model FLOP/s of compiled SimpleFSDP on one GPU (``benchmarks/step_time.py``'s MoE run)."""
+    if not os.path.exists(path):
+        return None
+    for r in json.load(open(path))["rows"]:
+        if (r["model"], r["ac"], r["mode"]) == ("moe", "none", "SimpleFSDP compiled"):
+            cfg = load(os.path.join(ROOT, STEP_TIME_CONFIGS["moe"]))
+            return r["tokens_per_s"] * flops_per_token(cfg.model_config(), cfg.training.seq_len) / 1e12
+    return None
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--config", default="configs/gpu_moe.toml")
+    p.add_argument("--layouts", default=",".join(LAYOUTS), help=f"comma-separated, from {list(LAYOUTS)}")
+    p.add_argument("--worlds", default="8,64")
+    p.add_argument("--seqs-per-rank", type=int, default=1)
+    p.add_argument("--intra-gbps", type=float, default=Links.intra_gbps)
+    p.add_argument("--inter-gbps", type=float, default=Links.inter_gbps)
+    p.add_argument("--latency-us", type=float, default=Links.latency_us)
+    p.add_argument("--gpus-per-node", type=int, default=Links.gpus_per_node)
+    p.add_argument("--matmul-tflops", type=float, help="default: the measured dense ceiling in " + KERNELS)
+    p.add_argument("--achieved-tflops", type=float,
+                   help="a second compute rate: default, the model FLOP/s measured in " + STEP_TIME)
+    p.add_argument("--out", help="results JSON")
+    p.add_argument("--results-md", action="store_true", help="write the table into benchmarks/RESULTS.md")
+    p.add_argument("--report", metavar="JSON", help="only write the RESULTS.md section from a results file")
+    args = p.parse_args()
+    if args.report:
+        write_section("comm_model", "## Communication cost model\n\n" + markdown(json.load(open(args.report))))
+        return
+    links = Links(args.intra_gbps, args.inter_gbps, args.latency_us, args.gpus_per_node)
+    rates = {"matmul": args.matmul_tflops or json.load(open(KERNELS))["rows"][0]["tflops"]}
+    if achieved := args.achieved_tflops or achieved_tflops():
+        rates["achieved"] = achieved
+    rows = []
+    for world in map(int, args.worlds.split(",")):
+        for key in args.layouts.split(","):
+            layout = LAYOUTS[key]
+            begin = time.perf_counter()
+            graphs, ranks = model_layout(args.config, layout, world, args.seqs_per_rank, SimpleFSDPPasses())
+            for when in ("off", "on"):
+                nodes = [g[when] for _, g in graphs]
+                sims = {name: simulate(nodes, ranks, links, tflops * 1e12) for name, tflops in rates.items()}
+                rows.append(dict(world=world, layout=layout.name(world), passes=when, simulated=sims,
+                                 collectives=_summary([n for g in nodes for n in g])))
+                print(rows[-1], f"({time.perf_counter() - begin:.0f} s)", flush=True)
+    result = dict(environment=environment("CPU, fake process group"), command=command_line(), config=args.config,
+                  links=dataclasses.asdict(links), rates_tflops=rates, seqs_per_rank=args.seqs_per_rank, rows=rows)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1)
+    text = markdown(result)
+    if args.results_md:
+        write_section("comm_model", "## Communication cost model\n\n" + text)
+    print(text)
+
+
+def markdown(result: dict) -> str:
+    links, rates = result["links"], result["rates_tflops"]
+    rate_text = {"matmul": f"the dense matmul ceiling, {rates['matmul']:.0f} TFLOP/s",
+                 "achieved": f"the model FLOP/s compiled SimpleFSDP reached on one GPU, {rates.get('achieved', 0):.0f} TFLOP/s"}
+    head = (f"**{result['environment']}**: `{result['command']}`; `{result['config']}`, {result['seqs_per_rank']} "
+            f"sequence(s) per rank; {links['intra_gbps']:.0f} GB/s in a node of {links['gpus_per_node']}, "
+            f"{links['inter_gbps']:.0f} GB/s between nodes, {links['latency_us']:.0f} µs per collective. Compute at "
+            + " and at ".join(f"{rate_text[name]} ({name})" for name in rates) + ".\n\n")
+    rows, off = [], {}
+    for r in result["rows"]:
+        key = (r["world"], r["layout"])
+        if r["passes"] == "off":
+            off[key] = r
+        row = [r["world"], r["layout"], r["passes"],
+               ", ".join(f"{k} {n} ({gb:.2f} GB)" for k, (n, gb) in sorted(r["collectives"].items())),
+               1e3 * next(iter(r["simulated"].values()))["comm_s"]]
+        for name in rates:
+            sim, base = r["simulated"][name], off[key]["simulated"][name]
+            cut = 1 - sim["exposed_s"] / base["exposed_s"] if r["passes"] == "on" and base["exposed_s"] else None
+            row += [f"{1e3 * sim['compute_s']:.1f} / {1e3 * sim['exposed_s']:.1f} ({100 * sim['exposed_s'] / sim['step_s']:.0f}%)",
+                    None if cut is None else f"{100 * cut:.0f}%"]
+        rows.append(row)
+    headers = ["GPUs", "layout", "passes", "collectives per rank per step (bytes)", "comm ms"]
+    for name in rates:
+        headers += [f"{name}: compute / exposed ms (% of step)", f"{name}: exposed cut"]
+    return head + table(headers, rows)
+
+
+if __name__ == "__main__":
+    main()

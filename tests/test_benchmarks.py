@@ -1,0 +1,155 @@
+"""The benchmarks' own logic, on CPU: the cost model's simulation and graph capture, the step-time
+comparisons and tables, the kernel benchmark's group offsets, RESULTS.md sections.
+
+The benchmarks measure on a GPU and assert nothing; these tests check that what they compute
+from their measurements is right.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+
+import comm_model  # noqa: E402
+import moe_kernels  # noqa: E402
+import report  # noqa: E402
+import step_time  # noqa: E402
+from comm_model import Links, Node, simulate  # noqa: E402
+
+TINY_MOE = """
+[model]
+kind = "moe"
+vocab_size = 256
+dim = 64
+n_layers = 3
+n_heads = 4
+n_kv_heads = 4
+ffn_dim = 128
+n_dense_layers = 1
+num_experts = 8
+top_k = 2
+expert_dim = 32
+[training]
+seq_len = 64
+param_dtype = "bfloat16"
+reduce_dtype = "float32"
+"""
+
+
+def test_links_cost_by_group_span_and_kind():
+    links = Links(intra_gbps=100.0, inter_gbps=10.0, latency_us=5.0, gpus_per_node=4)
+    gb = 10**9
+    assert links.seconds("all_gather", gb, [0]) == 0.0
+    assert links.seconds("all_gather", gb, [0, 1, 2, 3]) == pytest.approx(5e-6 + 0.75 / 100)
+    assert links.seconds("reduce_scatter", gb, [0, 4]) == pytest.approx(5e-6 + 0.5 / 10)  # spans two nodes
+    assert links.seconds("all_reduce", gb, [0, 1]) == pytest.approx(5e-6 + 2 * 0.5 / 100)
+
+
+def test_simulation_stalls_only_on_unfinished_collectives():
+    links = Links(intra_gbps=1.0, latency_us=0.0)  # 1 GB/s: an all-gather of 2 GB over 2 ranks takes 1 s
+    ranks = {"g": [0, 1], "h": [0, 1]}
+    flops = 1e12  # one FLOP-second per 1e12 FLOPs
+    gather = lambda name, group="g": Node(name, "collective", "all_gather", group, nbytes=2 * 10**9)
+    compute = lambda name, seconds: Node(name, "compute", "mm", flops=int(seconds * flops))
+    wait = lambda name, of: Node(name, "wait", "wait_tensor", waits_for=of)
+
+    exposed_first = [gather("ag"), wait("w", "ag"), compute("mm", 3.0)]
+    assert simulate([exposed_first], ranks, links, flops) == dict(step_s=4.0, compute_s=3.0, comm_s=1.0, exposed_s=1.0)
+
+    hidden = [gather("ag"), compute("mm", 3.0), wait("w", "ag")]
+    assert simulate([hidden], ranks, links, flops)["exposed_s"] == 0.0
+
+    # one stream per group: two gathers on one group run back to back, on two groups side by side
+    same = [gather("a"), gather("b"), compute("mm", 0.5), wait("wa", "a"), wait("wb", "b")]
+    assert simulate([same], ranks, links, flops)["step_s"] == 2.0
+    apart = [gather("a"), gather("b", "h"), compute("mm", 0.5), wait("wa", "a"), wait("wb", "b")]
+    assert simulate([apart], ranks, links, flops)["step_s"] == 1.0
+
+    # a collective starts when the compute stream reaches it, and graphs run one after another
+    late = [compute("mm", 2.0), gather("ag"), wait("w", "ag")]
+    assert simulate([late, late], ranks, links, flops) == dict(step_s=6.0, compute_s=4.0, comm_s=2.0, exposed_s=2.0)
+
+
+def test_capture_costs_the_compiled_graphs_without_running_them(tmp_path):
+    config = tmp_path / "tiny_moe.toml"
+    config.write_text(TINY_MOE)
+    graphs, ranks = comm_model.model_layout(str(config), comm_model.LAYOUTS["fsdp_ep2"], 8, 1,
+                                            comm_model.SimpleFSDPPasses())
+    assert [kind for kind, _ in graphs] == ["forward", "backward"]
+    off = [n for _, g in graphs for n in g["off"]]
+    on = [n for _, g in graphs for n in g["on"]]
+    kinds = lambda nodes: comm_model._summary(nodes)
+    # the defaults merge reduce-scatters per block and mesh: fewer of them, the same bytes
+    assert kinds(on)["reduce_scatter"][0] < kinds(off)["reduce_scatter"][0]
+    assert kinds(on)["reduce_scatter"][1] == pytest.approx(kinds(off)["reduce_scatter"][1])
+    assert {k: v for k, v in kinds(on).items() if k != "reduce_scatter"} == \
+        {k: v for k, v in kinds(off).items() if k != "reduce_scatter"}
+    # the passes reorder compute, never change it
+    assert sorted(n.flops for n in on if n.kind == "compute") == sorted(n.flops for n in off if n.kind == "compute")
+    # balanced routing: each MoE layer's dispatch sends its 64 tokens x top_k 2 rows of dim 64
+    dispatch = [n for n in off if n.op == "all_to_all" and n.nbytes > 1024]
+    assert dispatch and {n.nbytes for n in dispatch[:2]} == {64 * 2 * 64 * 2}
+    # groups resolve to ranks: dense parameters on the 8 dp ranks, experts' edp and ep groups
+    assert sorted(map(len, {tuple(r) for r in ranks.values()})) == [2, 4, 8]
+    # traced as on a GPU (grouped_mm saves the weights, not per-row copies): backward re-gathers
+    # the experts over edp, as reshard_after_forward asks
+    backward = graphs[1][1]["off"]
+    assert any(n.op == "all_gather" and len(ranks[n.group]) == 4 for n in backward)
+    links = Links()
+    assert simulate([g["on"] for _, g in graphs], ranks, links, 1e14)["exposed_s"] < \
+        simulate([g["off"] for _, g in graphs], ranks, links, 1e14)["exposed_s"]
+
+
+def test_layout_names_and_degrees():
+    assert comm_model.LAYOUTS["fsdp_tp2_ep2"].degrees(8) == dict(dp_replicate=1, dp_shard=4, tp=2, ep=2)
+    assert comm_model.LAYOUTS["fsdp_tp2_ep2"].name(8) == "FSDP4×TP2 (experts FSDP4×EP2)"
+    assert comm_model.LAYOUTS["hsdp_4"].degrees(64) == dict(dp_replicate=16, dp_shard=4, tp=1, ep=1)
+    assert comm_model.LAYOUTS["hsdp_4"].name(8) == "HSDP 2x4"
+
+
+def _row(mode, tokens_per_s, memory, losses, ac="none"):
+    return dict(model="moe", ac=ac, mode=mode, tokens_per_step=100, tokens_per_s=tokens_per_s, step_ms=1.0,
+                peak_allocated_gib=memory, peak_reserved_gib=memory, mfu=0.5, compile_s=None, losses=losses)
+
+
+def test_step_time_comparisons():
+    rows = [_row("FSDP2 eager", 100.0, 10.0, [1.0, 2.0]),
+            _row("SimpleFSDP compiled", 150.0, 8.0, [1.0, 2.0]),
+            _row("SimpleFSDP compiled (no passes)", 140.0, 8.0, [1.0, 2.5]),
+            _row("SimpleFSDP eager", 90.0, 9.0, [1.0, 2.0], ac="full")]  # no FSDP2 run with full AC
+    step_time.add_comparisons(rows, deterministic=True)
+    assert [r["ratio"] for r in rows] == [1.0, 1.5, 1.4, None]
+    assert rows[1]["memory_ratio"] == 0.8
+    assert rows[1]["losses_equal_no_passes"] is False
+    same = rows[:2] + [_row("SimpleFSDP compiled (no passes)", 140.0, 8.0, [1.0, 2.0])]
+    step_time.add_comparisons(same, deterministic=True)
+    assert same[1]["losses_equal_no_passes"] is True
+    fresh = [_row("SimpleFSDP compiled", 1.0, 1.0, [1.0]), _row("SimpleFSDP compiled (no passes)", 1.0, 1.0, [1.0])]
+    step_time.add_comparisons(fresh, deterministic=False)  # nondeterministic kernels: no verdict
+    assert "losses_equal_no_passes" not in fresh[0]
+    text = step_time.markdown([dict(environment="GPU", command="cmd", warmup=1, steps=2, rows=same)])
+    assert "| moe   | none | SimpleFSDP compiled " in text and "1.50" in text and "bitwise" in text
+
+
+def test_grouped_offsets_pad_each_group():
+    counts = torch.tensor([1, 16, 0, 17])
+    assert moe_kernels.offsets(counts).tolist() == [16, 32, 32, 64]
+    assert moe_kernels.offsets(counts).dtype == torch.int32
+    routed = moe_kernels.routed_counts(tokens=1000, experts=8, top_k=2)
+    assert routed.sum() == 2000 and routed.shape == (8,)
+
+
+def test_results_sections_replace_only_their_own(tmp_path):
+    path = str(tmp_path / "RESULTS.md")
+    report.write_section("a", "first", path)
+    report.write_section("b", "second", path)
+    report.write_section("a", "third", path)
+    text = open(path).read()
+    assert text.count("<!-- a -->") == 1 and "third" in text and "first" not in text and "second" in text
+    assert report.table(["x", "long name"], [[1, 2.5], [12345.0, None]]).splitlines() == [
+        "| x      | long name |", "|--------|-----------|", "| 1      | 2.5       |", "| 12,345 | –         |"]
