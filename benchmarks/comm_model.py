@@ -60,7 +60,7 @@ from simplefsdp.passes import SimpleFSDPPasses
 from simplefsdp.passes.fx_utils import collective_group, op_name
 from simplefsdp.train import build
 
-from report import command_line, environment, table, write_section
+from report import command_line, environment, output_arguments, publish, table
 from step_time import CONFIGS as STEP_TIME_CONFIGS
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -359,13 +359,10 @@ def main() -> None:
     p.add_argument("--matmul-tflops", type=float, help="default: the measured dense ceiling in " + KERNELS)
     p.add_argument("--achieved-tflops", type=float,
                    help="a second compute rate: default, the model FLOP/s measured in " + STEP_TIME)
-    p.add_argument("--out", help="results JSON")
-    p.add_argument("--results-md", action="store_true", help="write the table into benchmarks/RESULTS.md")
-    p.add_argument("--report", metavar="JSON", help="only write the RESULTS.md section from a results file")
+    output_arguments(p)
     args = p.parse_args()
     if args.report:
-        write_section("comm_model", "## Communication cost model\n\n" + markdown(json.load(open(args.report))))
-        return
+        return publish("comm_model", "Communication cost model", markdown, json.load(open(args.report)), args)
     links = Links(args.intra_gbps, args.inter_gbps, args.latency_us, args.gpus_per_node)
     rates = {"matmul": args.matmul_tflops or json.load(open(KERNELS))["rows"][0]["tflops"]}
     if achieved := args.achieved_tflops or achieved_tflops():
@@ -384,13 +381,7 @@ def main() -> None:
                 print(rows[-1], f"({time.perf_counter() - begin:.0f} s)", flush=True)
     result = dict(environment=environment("CPU, fake process group"), command=command_line(), config=args.config,
                   links=dataclasses.asdict(links), rates_tflops=rates, seqs_per_rank=args.seqs_per_rank, rows=rows)
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=1)
-    text = markdown(result)
-    if args.results_md:
-        write_section("comm_model", "## Communication cost model\n\n" + text)
-    print(text)
+    publish("comm_model", "Communication cost model", markdown, result, args)
 
 
 def markdown(result: dict) -> str:

@@ -27,7 +27,7 @@ import torch
 from simplefsdp.config import load
 from simplefsdp.token_permute import ALIGNMENT
 
-from report import command_line, environment, table, write_section
+from report import command_line, environment, output_arguments, publish, table
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -115,22 +115,13 @@ def markdown(result: dict) -> str:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--config", default="configs/gpu_moe.toml")
-    p.add_argument("--out", help="results JSON")
-    p.add_argument("--results-md", action="store_true", help="write the table into benchmarks/RESULTS.md")
-    p.add_argument("--report", metavar="JSON", help="only write the RESULTS.md section from a results file")
+    output_arguments(p)
     args = p.parse_args()
     if args.report:
-        write_section("moe_kernels", "## MoE kernels on one GPU\n\n" + markdown(json.load(open(args.report))))
-        return
+        return publish("moe_kernels", "MoE kernels on one GPU", markdown, json.load(open(args.report)), args)
     result = dict(environment=environment(torch.cuda.get_device_name()), command=command_line(),
                   config=args.config, rows=measure(args.config))
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=1)
-    text = markdown(result)
-    if args.results_md:
-        write_section("moe_kernels", "## MoE kernels on one GPU\n\n" + text)
-    print(text)
+    publish("moe_kernels", "MoE kernels on one GPU", markdown, result, args)
 
 
 if __name__ == "__main__":

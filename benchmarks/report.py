@@ -7,7 +7,9 @@ so a re-run updates its figures and leaves the other benchmarks' sections as the
 
 from __future__ import annotations
 
+import argparse
 import datetime
+import json
 import os
 import re
 import sys
@@ -51,3 +53,22 @@ def write_section(name: str, text: str, path: str = RESULTS_MD) -> None:
     new = pattern.sub(lambda _: block, old) if pattern.search(old) else old.rstrip() + "\n\n" + block + "\n"
     with open(path, "w") as f:
         f.write(new)
+
+
+def output_arguments(parser: argparse.ArgumentParser) -> None:
+    """--out, --results-md and --report, for a benchmark that publishes through :func:`publish`."""
+    parser.add_argument("--out", help="results JSON")
+    parser.add_argument("--results-md", action="store_true", help="write the table into benchmarks/RESULTS.md")
+    parser.add_argument("--report", metavar="JSON", help="only write the RESULTS.md section from a results file")
+
+
+def publish(section: str, title: str, markdown, result: dict, args: argparse.Namespace) -> None:
+    """Save ``result`` (``--out``), put ``markdown(result)`` into RESULTS.md (``--results-md``, or
+    ``--report``, whose file ``result`` came from) and print it."""
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1)
+    text = markdown(result)
+    if args.results_md or args.report:
+        write_section(section, f"## {title}\n\n{text}")
+    print(text)
