@@ -94,6 +94,18 @@ class Layout:
         replicate = world // self.hsdp_shard if self.hsdp_shard else self.dp_replicate
         return dict(dp_replicate=replicate, dp_shard=world // (replicate * self.tp), tp=self.tp, ep=self.ep)
 
+    def fits(self, world: int) -> bool:
+        """Whether the layout can use ``world`` ranks (HSDP: two replicas at least)."""
+        if self.hsdp_shard:
+            return world % self.hsdp_shard == 0 and world >= 2 * self.hsdp_shard
+        return world % (self.dp_replicate * self.tp) == 0
+
+    def overrides(self, world: int) -> list[tuple[str, str]]:
+        """Config overrides (``--section.key value`` pairs) for this layout at ``world`` ranks."""
+        d = self.degrees(world)
+        out = [(f"parallel.{key}", str(value)) for key, value in d.items()]
+        return out + ([("parallel.mode", "hybrid_shard")] if self.hsdp_shard else [])
+
     def name(self, world: int) -> str:
         d = self.degrees(world)
         head = f"HSDP {d['dp_replicate']}x{d['dp_shard']}" if self.hsdp_shard else f"FSDP{d['dp_shard']}"
@@ -303,11 +315,8 @@ def model_layout(config: str, layout: Layout, world: int, seqs_per_rank: int, pa
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
     try:
         dp = d["dp_replicate"] * d["dp_shard"]
-        cfg = load(os.path.join(ROOT, config), [
-            ("parallel.dp_replicate", str(d["dp_replicate"])), ("parallel.dp_shard", str(d["dp_shard"])),
-            ("parallel.tp", str(d["tp"])), ("parallel.ep", str(d["ep"])), ("training.compile", "false"),
-            ("training.global_batch", str(dp * seqs_per_rank)),
-        ] + ([("parallel.mode", "hybrid_shard")] if layout.hsdp_shard else []))
+        cfg = load(os.path.join(ROOT, config), layout.overrides(world) + [
+            ("training.compile", "false"), ("training.global_batch", str(dp * seqs_per_rank))])
         validate(cfg, world)
         model, _, _ = build(cfg, world, "cpu")
         m, t = cfg.model_config(), cfg.training
@@ -371,6 +380,9 @@ def main() -> None:
     for world in map(int, args.worlds.split(",")):
         for key in args.layouts.split(","):
             layout = LAYOUTS[key]
+            if not layout.fits(world):
+                print(f"{key}: does not fit {world} ranks, skipped", flush=True)
+                continue
             begin = time.perf_counter()
             graphs, ranks = model_layout(args.config, layout, world, args.seqs_per_rank, SimpleFSDPPasses())
             for when in ("off", "on"):

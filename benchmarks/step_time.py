@@ -1,4 +1,4 @@
-"""Training step time on one GPU: SimpleFSDP against FSDP2 on the same model, data and seed.
+"""Training step time: SimpleFSDP against FSDP2 on the same model, data and seed.
 
 For each model config (``configs/gpu_dense.toml``, ``configs/gpu_moe.toml``: bf16 parameters,
 fp32 gradient reduction) and each activation-checkpointing setting, it trains
@@ -15,11 +15,14 @@ memory, MFU (:func:`simplefsdp.metrics.flops_per_token` over the bf16 peak), the
 time (compile time, with Inductor's caches off so every compile is cold) and whether the losses of
 the runs with and without passes are equal bit for bit. With ``--profile`` the compiled SimpleFSDP
 and eager FSDP2 runs are profiled for a few more steps and their GPU time split into communication
-(NCCL kernels), copies and compute.
+(NCCL kernels), copies and compute, with the communication time during which no other kernel ran
+(exposed).
 
-On one GPU every process group has one rank: collectives are local copies, so this measures what
-the compiler does to compute, memory and launch overhead, not communication
-(``benchmarks/comm_model.py`` models that).
+Run plainly it uses one GPU (or the CPU). There every process group has one rank: collectives are
+local copies, so it measures what the compiler does to compute, memory and launch overhead, not
+communication (``benchmarks/comm_model.py`` models that). Under ``torchrun`` it uses every rank,
+each training on its data-parallel slice of the global batch (``benchmarks/multi_gpu.py`` does
+that per parallel layout); rank 0 reports, memory is the largest peak over ranks.
 
     python benchmarks/step_time.py --models moe --out benchmarks/results/step_time_moe_h200.json --profile
     python benchmarks/step_time.py --report benchmarks/results/step_time_*.json   # RESULTS.md section
@@ -39,7 +42,7 @@ import torch
 import torch.distributed as dist
 
 from simplefsdp.config import load, validate
-from simplefsdp.data import token_stream
+from simplefsdp.data import rank_slice, token_stream
 from simplefsdp.metrics import flops_per_token, peak_flops
 from simplefsdp.train import build, train_step
 
@@ -82,9 +85,35 @@ class StepTimer:
             self.seconds = self.wall
 
 
+def _union(intervals) -> list[list[float]]:
+    merged = []
+    for start, end in sorted(intervals):
+        if merged and start <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], end)
+        else:
+            merged.append([start, end])
+    return merged
+
+
+def exposed_time(comm, compute) -> float:
+    """How long communication kernels run while no other kernel does, from (start, end) pairs."""
+    busy, total, first = _union(compute), 0.0, 0
+    for start, end in _union(comm):
+        total += end - start
+        while first < len(busy) and busy[first][1] <= start:
+            first += 1
+        k = first
+        while k < len(busy) and busy[k][0] < end:
+            total -= min(end, busy[k][1]) - max(start, busy[k][0])
+            k += 1
+    return total
+
+
 def gpu_time_split(prof) -> dict[str, float]:
-    """Seconds of GPU kernel time in a profile: NCCL communication, copies/memsets, the rest."""
+    """Seconds of GPU kernel time in a profile: NCCL communication, copies/memsets, the rest, and
+    the communication time during which no other kernel ran (exposed)."""
     split = {"comm": 0.0, "copy": 0.0, "compute": 0.0}
+    spans = {"comm": [], "other": []}
     for event in prof.events():
         # kernels only: record_function ranges show up on the device timeline too
         if event.device_type != torch.autograd.DeviceType.CUDA or getattr(event, "is_user_annotation", False):
@@ -92,6 +121,8 @@ def gpu_time_split(prof) -> dict[str, float]:
         name = event.name.lower()
         kind = "comm" if "nccl" in name else "copy" if name.startswith(("memcpy", "memset")) else "compute"
         split[kind] += event.device_time / 1e6  # microseconds
+        spans["comm" if kind == "comm" else "other"].append((event.time_range.start, event.time_range.end))
+    split["exposed_comm"] = exposed_time(spans["comm"], spans["other"]) / 1e6
     return split
 
 
@@ -107,7 +138,8 @@ def profile_steps(step, steps: int) -> dict:
         torch.cuda.synchronize()
         wall = (time.perf_counter() - begin) / steps
     split = {k: v / steps for k, v in gpu_time_split(prof).items()}
-    return dict(step_s=wall, **{f"{k}_s": v for k, v in split.items()}, comm_fraction=split["comm"] / wall)
+    return dict(step_s=wall, **{f"{k}_s": v for k, v in split.items()}, comm_fraction=split["comm"] / wall,
+                exposed_fraction=split["exposed_comm"] / wall)
 
 
 def run_one(model_name: str, mode: str, ac: str, *, warmup: int, steps: int, device: torch.device,
@@ -116,17 +148,19 @@ def run_one(model_name: str, mode: str, ac: str, *, warmup: int, steps: int, dev
     overrides = [*overrides, ("parallel.activation_checkpoint", ac), ("training.baseline", baseline),
                  ("training.compile", str(compiled)), ("training.passes", str(passes))]
     cfg = load(os.path.join(ROOT, CONFIGS[model_name]), overrides)
-    validate(cfg, 1)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    validate(cfg, world)
     t = cfg.training
-    model, runner, optimizer = build(cfg, 1, device.type)
+    model, runner, optimizer = build(cfg, world, device.type)
+    dp_rank, dp_size = rank // cfg.parallel.tp, world // cfg.parallel.tp  # tp is the inner-most mesh dim
     stream = token_stream(t.dataset, cfg.model_config().vocab_size, t.global_batch, t.seq_len, t.seed)
     params = list(model.parameters())
     losses, timers = [], []
 
     def step(i: int) -> None:
-        batch = tuple(x.to(device) for x in stream.batch(i))
+        batch = tuple(x.to(device) for x in rank_slice(stream.batch(i), dp_rank, dp_size))
         with StepTimer(device) as timer:
-            loss, _ = train_step(runner, optimizer, batch, params=params, dp_size=1, max_norm=t.max_norm)
+            loss, _ = train_step(runner, optimizer, batch, params=params, dp_size=dp_size, max_norm=t.max_norm)
         losses.append(loss)
         timers.append(timer)
 
@@ -137,13 +171,14 @@ def run_one(model_name: str, mode: str, ac: str, *, warmup: int, steps: int, dev
     peak = peak_flops(device)
     row = dict(
         model=model_name, ac=ac, mode=mode, tokens_per_step=t.global_batch * t.seq_len, tokens_per_s=tokens_per_s, step_ms=1e3 * median,
-        mfu=tokens_per_s * flops_per_token(cfg.model_config(), t.seq_len) / peak if peak else None,
+        world=world, mfu=tokens_per_s * flops_per_token(cfg.model_config(), t.seq_len) / (world * peak) if peak else None,
         compile_s=sum(tm.wall for tm in timers[:warmup]) - warmup * median if compiled else None,
         first_step_s=timers[0].wall, losses=list(losses),
     )
-    if device.type == "cuda":
-        row.update(peak_allocated_gib=torch.cuda.max_memory_allocated() / 2**30,
-                   peak_reserved_gib=torch.cuda.max_memory_reserved() / 2**30)
+    if device.type == "cuda":  # the largest over ranks
+        peaks = torch.tensor([torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved()], device=device)
+        dist.all_reduce(peaks, op=dist.ReduceOp.MAX)
+        row.update(peak_allocated_gib=peaks[0].item() / 2**30, peak_reserved_gib=peaks[1].item() / 2**30)
         if profile and mode in PROFILED:
             row["profile"] = profile_steps(lambda: step(len(losses)), profile)
     return row
@@ -160,14 +195,15 @@ def fresh_device_state(device: torch.device) -> None:
 def add_comparisons(rows: list[dict], deterministic: bool) -> None:
     """Ratio of tokens/s to FSDP2 eager, and (deterministic runs only) bitwise loss equality of
     passes on vs off."""
-    by_key = {(r["model"], r["ac"], r["mode"]): r for r in rows}
+    key = lambda r, mode: (r.get("layout"), r["model"], r["ac"], mode)
+    by_key = {key(r, r["mode"]): r for r in rows}
     for r in rows:
-        ref = by_key.get((r["model"], r["ac"], REFERENCE))
+        ref = by_key.get(key(r, REFERENCE))
         ok = ref is not None and "error" not in ref and "error" not in r
         r["ratio"] = r["tokens_per_s"] / ref["tokens_per_s"] if ok else None
         r["memory_ratio"] = r["peak_allocated_gib"] / ref["peak_allocated_gib"] if ok and "peak_allocated_gib" in r else None
         if r["mode"] == "SimpleFSDP compiled" and deterministic:
-            off = by_key.get((r["model"], r["ac"], "SimpleFSDP compiled (no passes)"))
+            off = by_key.get(key(r, "SimpleFSDP compiled (no passes)"))
             r["losses_equal_no_passes"] = off["losses"] == r["losses"] if off and "error" not in off and "error" not in r else None
 
 
@@ -193,9 +229,11 @@ def markdown(results: list[dict]) -> str:
         if profiled:
             out.append("\nGPU time per step from the torch profiler (NCCL kernels = communication):\n")
             out.append(table(
-                ["model", "AC", "run", "step ms", "NCCL ms", "copy/memset ms", "other kernels ms", "NCCL % of step"],
+                ["model", "AC", "run", "step ms", "NCCL ms", "copy/memset ms", "other kernels ms", "NCCL % of step",
+                 "exposed NCCL % of step"],
                 [[r["model"], r["ac"], r["mode"], 1e3 * p["step_s"], _num(1e3 * p["comm_s"], 2), _num(1e3 * p["copy_s"], 2),
-                  1e3 * p["compute_s"], _num(100 * p["comm_fraction"], 2)] for r in profiled for p in [r["profile"]]]))
+                  1e3 * p["compute_s"], _num(100 * p["comm_fraction"], 2), _num(100 * p.get("exposed_fraction", 0), 2)]
+                 for r in profiled for p in [r["profile"]]]))
         out.append("")
     return "\n".join(out)
 
@@ -228,38 +266,62 @@ def main() -> None:
         print(text)
         return
 
-    cuda = torch.cuda.is_available()
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", "29517")
-    dist.init_process_group("nccl" if cuda else "gloo", rank=0, world_size=1)
-    device = torch.device("cuda", 0) if cuda else torch.device("cpu")
-    if cuda:
-        torch.cuda.set_device(device)
+    device = start_ranks()
     torch._inductor.config.force_disable_caches = True  # every compile cold, so compile times compare
     if args.deterministic:  # scatter-add kernels (MoE, embedding backward) use atomics otherwise
         os.environ["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"
         torch.use_deterministic_algorithms(True)
-    result = dict(environment=environment(torch.cuda.get_device_name() if cuda else "CPU"), command=command_line(),
-                  warmup=args.warmup, steps=args.steps, deterministic=args.deterministic, rows=[])
-    rows = result["rows"]
+    result = new_result(args, deterministic=args.deterministic)
     for model_name in args.models.split(","):
         for ac in args.ac.split(","):
             for mode in args.modes.split(","):
-                fresh_device_state(device)
-                try:
-                    row = run_one(model_name, mode, ac, warmup=args.warmup, steps=args.steps, device=device,
-                                  profile=args.profile, overrides=[kv.split("=", 1) for kv in args.set])
-                except Exception as e:  # one failed run (a compile error, OOM) must not lose the others
-                    traceback.print_exc()
-                    row = dict(model=model_name, ac=ac, mode=mode, error=f"{type(e).__name__}: {str(e)[:200]}")
-                rows.append(row)
-                print({k: v for k, v in row.items() if k != "losses"}, flush=True)
-                add_comparisons(rows, args.deterministic)
-                if args.out:  # after every run, so a run cut short keeps what it measured
-                    with open(args.out, "w") as f:
-                        json.dump(result, f, indent=1)
-    print("\n" + markdown([result]))
+                measure(result, args.out, model_name, mode, ac, warmup=args.warmup, steps=args.steps, device=device,
+                        profile=args.profile, overrides=[kv.split("=", 1) for kv in args.set])
+    if dist.get_rank() == 0:
+        print("\n" + markdown([result]))
     dist.destroy_process_group()
+
+
+def start_ranks() -> torch.device:
+    """Join torchrun's ranks (nccl on GPUs, gloo otherwise), or start a group of one; this rank's device."""
+    cuda = torch.cuda.is_available()
+    for key, value in dict(MASTER_ADDR="127.0.0.1", MASTER_PORT="29517", RANK="0", WORLD_SIZE="1").items():
+        os.environ.setdefault(key, value)
+    dist.init_process_group("nccl" if cuda else "gloo")
+    if not cuda:
+        return torch.device("cpu")
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    torch.cuda.set_device(device)
+    return device
+
+
+def new_result(args, **fields) -> dict:
+    cuda = torch.cuda.is_available()
+    device = f"{dist.get_world_size()} x {torch.cuda.get_device_name()}" if cuda else "CPU"
+    return dict(environment=environment(device), command=command_line(), warmup=args.warmup, steps=args.steps,
+                **fields, rows=[])
+
+
+def measure(result: dict, out: str | None, model_name: str, mode: str, ac: str, tags: dict | None = None,
+            **kwargs) -> dict:
+    """:func:`run_one` into ``result["rows"]`` (a failure as an error row), with ``tags`` added to
+    the row; rank 0 prints the row and saves ``result`` to ``out`` after every run, so a run cut
+    short keeps what it measured."""
+    fresh_device_state(kwargs["device"])
+    try:
+        row = run_one(model_name, mode, ac, **kwargs)
+    except Exception as e:  # one failed run (a compile error, OOM) must not lose the others
+        traceback.print_exc()
+        row = dict(model=model_name, ac=ac, mode=mode, error=f"{type(e).__name__}: {str(e)[:200]}")
+    row.update(tags or {})
+    result["rows"].append(row)
+    add_comparisons(result["rows"], result.get("deterministic", False))
+    if dist.get_rank() == 0:
+        print({k: v for k, v in row.items() if k != "losses"}, flush=True)
+        if out:
+            with open(out, "w") as f:
+                json.dump(result, f, indent=1)
+    return row
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
 
 import comm_model  # noqa: E402
 import moe_kernels  # noqa: E402
+import multi_gpu  # noqa: E402
 import report  # noqa: E402
 import step_time  # noqa: E402
 from comm_model import Links, Node, simulate  # noqa: E402
@@ -153,3 +154,22 @@ def test_results_sections_replace_only_their_own(tmp_path):
     assert text.count("<!-- a -->") == 1 and "third" in text and "first" not in text and "second" in text
     assert report.table(["x", "long name"], [[1, 2.5], [12345.0, None]]).splitlines() == [
         "| x      | long name |", "|--------|-----------|", "| 1      | 2.5       |", "| 12,345 | –         |"]
+
+
+def test_exposed_communication_is_what_no_other_kernel_covers():
+    compute = [(0, 10), (12, 20), (30, 40)]
+    assert step_time.exposed_time([(5, 15)], compute) == 2  # 10..12
+    assert step_time.exposed_time([(5, 15), (14, 35)], compute) == 2 + 10  # merged 5..35: 10..12, 20..30
+    assert step_time.exposed_time([(41, 50)], compute) == 9
+    assert step_time.exposed_time([(0, 40)], [(0, 40)]) == 0
+    assert step_time.exposed_time([], compute) == 0
+
+
+def test_multi_gpu_layouts_and_bus_bandwidth():
+    assert multi_gpu.fitting_layouts(8) == ["fsdp", "fsdp_ep2", "fsdp_tp2_ep2", "hsdp_4"]
+    assert multi_gpu.fitting_layouts(2) == ["fsdp", "fsdp_ep2", "fsdp_tp2_ep2"]
+    assert multi_gpu.fitting_layouts(1) == []
+    assert multi_gpu.bus_gbps(8 * 10**9, 1.0, 8) == 7.0
+    assert comm_model.LAYOUTS["hsdp_4"].overrides(8) == [
+        ("parallel.dp_replicate", "2"), ("parallel.dp_shard", "4"), ("parallel.tp", "1"), ("parallel.ep", "1"),
+        ("parallel.mode", "hybrid_shard")]
