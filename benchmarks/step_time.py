@@ -144,6 +144,7 @@ def profile_steps(step, steps: int) -> dict:
 
 def run_one(model_name: str, mode: str, ac: str, *, warmup: int, steps: int, device: torch.device,
             profile: int, overrides: list[tuple[str, str]] = ()) -> dict:
+    """Train ``warmup + steps`` steps of one model in one mode on every rank; rank 0's figures."""
     baseline, compiled, passes = MODES[mode]
     overrides = [*overrides, ("parallel.activation_checkpoint", ac), ("training.baseline", baseline),
                  ("training.compile", str(compiled)), ("training.passes", str(passes))]
@@ -170,8 +171,9 @@ def run_one(model_name: str, mode: str, ac: str, *, warmup: int, steps: int, dev
     tokens_per_s = t.global_batch * t.seq_len / median
     peak = peak_flops(device)
     row = dict(
-        model=model_name, ac=ac, mode=mode, tokens_per_step=t.global_batch * t.seq_len, tokens_per_s=tokens_per_s, step_ms=1e3 * median,
-        world=world, mfu=tokens_per_s * flops_per_token(cfg.model_config(), t.seq_len) / (world * peak) if peak else None,
+        model=model_name, ac=ac, mode=mode, world=world, tokens_per_step=t.global_batch * t.seq_len,
+        tokens_per_s=tokens_per_s, step_ms=1e3 * median,
+        mfu=tokens_per_s * flops_per_token(cfg.model_config(), t.seq_len) / (world * peak) if peak else None,
         compile_s=sum(tm.wall for tm in timers[:warmup]) - warmup * median if compiled else None,
         first_step_s=timers[0].wall, losses=list(losses),
     )
