@@ -234,7 +234,7 @@ def markdown(results: list[dict]) -> str:
                 ["model", "AC", "run", "step ms", "NCCL ms", "copy/memset ms", "other kernels ms", "NCCL % of step",
                  "exposed NCCL % of step"],
                 [[r["model"], r["ac"], r["mode"], 1e3 * p["step_s"], _num(1e3 * p["comm_s"], 2), _num(1e3 * p["copy_s"], 2),
-                  1e3 * p["compute_s"], _num(100 * p["comm_fraction"], 2), _num(100 * p.get("exposed_fraction", 0), 2)]
+                  1e3 * p["compute_s"], _num(100 * p["comm_fraction"], 2), _num(100 * p["exposed_fraction"], 2) if "exposed_fraction" in p else None]
                  for r in profiled for p in [r["profile"]]]))
         out.append("")
     return "\n".join(out)
