@@ -57,6 +57,7 @@ from simplefsdp.config import load, validate
 from simplefsdp.metrics import flops_per_token
 from simplefsdp.models.llama import cross_entropy_loss
 from simplefsdp.passes import SimpleFSDPPasses
+from simplefsdp.passes.a2a_overlap import MATMULS
 from simplefsdp.passes.fx_utils import collective_group, op_name
 from simplefsdp.train import build
 
@@ -76,7 +77,6 @@ COLLECTIVES = {  # op -> (kind, bytes of: "in" input / "out" output)
     "all_reduce_": ("all_reduce", "in"),
     "all_to_all_single": ("all_to_all", "in"),
 }
-MATMULS = {"mm", "addmm", "bmm", "baddbmm", "_grouped_mm"}
 ATTENTION = {"_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention",
              "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention"}
 
@@ -218,22 +218,18 @@ class Capture:
                 symbols.update({s: sympy.Integer(self.unbacked_value) for s in sympy.sympify(val.node.expr).free_symbols})
         return symbols
 
-    def _keep(self, graph: torch.fx.Graph, when: str, kept: dict) -> None:
-        kept[when] = snapshot(graph, self._unbacked(graph))
-
     def _inner(self, gm, example_inputs, **kwargs):
-        kept = {}
+        kept, unbacked = {}, self._unbacked(gm.graph)  # the passes add no data-dependent sizes
 
         def post_pass(graph):
-            self._keep(graph, "off", kept)
+            kept["off"] = snapshot(graph, unbacked)
             self.passes(graph)
-            self._keep(graph, "on", kept)
+            kept["on"] = snapshot(graph, unbacked)
 
         fake_mode = detect_fake_mode(example_inputs) or FakeTensorMode()
         with torch._inductor.config.patch(post_grad_custom_post_pass=post_pass), V.set_fake_mode(fake_mode):
             _recursive_post_grad_passes(gm, is_inference=False)
         self.graphs.append(("backward" if kwargs.get("is_backward") else "forward", kept))
-        unbacked = self._unbacked(gm.graph)
         outputs = next(n for n in gm.graph.nodes if n.op == "output").args[0]
 
         def dry_run(args):

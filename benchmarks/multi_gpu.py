@@ -85,6 +85,11 @@ def fitting_layouts(world: int) -> list[str]:
     return [key for key, layout in LAYOUTS.items() if world > 1 and layout.fits(world)]
 
 
+def cost_model() -> dict:
+    """``comm_model.py``'s results, if they have been made."""
+    return json.load(open(COMM_MODEL)) if os.path.exists(COMM_MODEL) else {}
+
+
 def _prediction(model: dict, world: int, name: str, passes: str) -> float | None:
     """The cost model's step ms for a layout (its 'achieved' rate, else its first)."""
     for r in model.get("rows", []):
@@ -137,9 +142,8 @@ def main() -> None:
     p.add_argument("--report", metavar="JSON", help="write the RESULTS.md section from a results file")
     args = p.parse_args()
     if args.report:
-        model = json.load(open(COMM_MODEL)) if os.path.exists(COMM_MODEL) else {}
         result = json.load(open(args.report))
-        write_section(f"multi_gpu_{result['world']}", f"## {result['world']} GPUs\n\n" + markdown(result, model))
+        write_section(f"multi_gpu_{result['world']}", f"## {result['world']} GPUs\n\n" + markdown(result, cost_model()))
         return
 
     device = step_time.start_ranks()
@@ -164,7 +168,7 @@ def main() -> None:
         if args.out:
             with open(args.out, "w") as f:
                 json.dump(result, f, indent=1)
-        print(markdown(result, json.load(open(COMM_MODEL)) if os.path.exists(COMM_MODEL) else {}))
+        print(markdown(result, cost_model()))
     dist.destroy_process_group()
 
 
