@@ -51,15 +51,15 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.testing._internal.distributed.fake_pg import FakeStore
 from torch.utils.flop_counter import sdpa_backward_flop_count, sdpa_flop_count
 
-import simplefsdp.grouped_mm
+import simplefsdp.moe.grouped_mm
 import simplefsdp.models.moe
-from simplefsdp.config import load, validate
-from simplefsdp.metrics import flops_per_token
+from simplefsdp.train.config import load, validate
+from simplefsdp.train.metrics import flops_per_token
 from simplefsdp.models.llama import cross_entropy_loss
 from simplefsdp.passes import SimpleFSDPPasses
 from simplefsdp.passes.a2a_overlap import MATMULS
 from simplefsdp.passes.fx_utils import collective_group, op_name
-from simplefsdp.train import build
+from simplefsdp.train.cli import build
 
 from report import command_line, environment, output_arguments, publish, table
 from step_time import CONFIGS as STEP_TIME_CONFIGS
@@ -300,7 +300,7 @@ def _group_ranks(nodes: list[Node]) -> dict[str, list[int]]:
 def grouped_mm_kernels():
     """Trace experts through ``torch._grouped_mm`` on the CPU too (bf16), as they run on a GPU."""
     native = lambda x, w: x.dtype == w.dtype == torch.bfloat16
-    with mock.patch.object(simplefsdp.grouped_mm, "native_available", native), \
+    with mock.patch.object(simplefsdp.moe.grouped_mm, "native_available", native), \
             mock.patch.object(simplefsdp.models.moe, "native_available", native):
         yield
 

@@ -20,7 +20,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from simplefsdp.launch import run_ranks  # noqa: E402
+from simplefsdp.train.launch import run_ranks  # noqa: E402
 
 SHAPES = [(49, 48), (48,), (48, 48), (24, 48), (45, 48), (24, 90)]
 

@@ -24,8 +24,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from simplefsdp import MixedPrecisionPolicy, simple_fsdp
 from simplefsdp.models.llama import Transformer, TransformerConfig
 from simplefsdp.models.moe import MOE_CONFIGS, MoEConfig, moe_transformer
-from simplefsdp.data import SyntheticTokens
-from simplefsdp.train import train_steps
+from simplefsdp.train.data import SyntheticTokens
+from simplefsdp.train.cli import train_steps
 
 DENSE = TransformerConfig(vocab_size=32000, dim=1024, n_layers=4, n_heads=16, n_kv_heads=8, ffn_dim=2816)
 MOE = MoEConfig(

@@ -1,7 +1,7 @@
 """Kernel rates of the MoE block on one GPU: ``torch._grouped_mm`` against the dense bf16 matmul.
 
 At the shapes of ``configs/gpu_moe.toml`` (global batch x seq_len tokens, top_k routed rows
-each, ``num_experts`` groups aligned to 16 rows as :mod:`simplefsdp.token_permute` pads them), it
+each, ``num_experts`` groups aligned to 16 rows as :mod:`simplefsdp.moe.token_permute` pads them), it
 times with CUDA events:
 
 * the dense bf16 matmul ceiling: an 8192^3 ``torch.mm``, the rate the other rows are compared to;
@@ -24,8 +24,8 @@ import os
 
 import torch
 
-from simplefsdp.config import load
-from simplefsdp.token_permute import ALIGNMENT
+from simplefsdp.train.config import load
+from simplefsdp.moe.token_permute import ALIGNMENT
 
 from report import command_line, environment, output_arguments, publish, table
 

@@ -29,7 +29,7 @@ import os
 import torch
 import torch.distributed as dist
 
-from simplefsdp.compare import loss_table
+from simplefsdp.train.compare import loss_table
 
 import step_time
 from comm_model import LAYOUTS

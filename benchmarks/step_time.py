@@ -11,7 +11,7 @@ fp32 gradient reduction) and each activation-checkpointing setting, it trains
 through the training entry point's own ``build`` and ``train_step`` (AdamW, gradient clipping).
 Warm-up steps (the first compiles) are excluded; the median of the timed steps, measured with
 CUDA events, gives tokens/s. It reports the ratio to FSDP2 eager, peak allocated and reserved
-memory, MFU (:func:`simplefsdp.metrics.flops_per_token` over the bf16 peak), the warm-up's extra
+memory, MFU (:func:`simplefsdp.train.metrics.flops_per_token` over the bf16 peak), the warm-up's extra
 time (compile time, with Inductor's caches off so every compile is cold) and whether the losses of
 the runs with and without passes are equal bit for bit. With ``--profile`` the compiled SimpleFSDP
 and eager FSDP2 runs are profiled for a few more steps and their GPU time split into communication
@@ -41,10 +41,10 @@ import traceback
 import torch
 import torch.distributed as dist
 
-from simplefsdp.config import load, validate
-from simplefsdp.data import rank_slice, token_stream
-from simplefsdp.metrics import flops_per_token, peak_flops
-from simplefsdp.train import build, train_step
+from simplefsdp.train.config import load, validate
+from simplefsdp.train.data import rank_slice, token_stream
+from simplefsdp.train.metrics import flops_per_token, peak_flops
+from simplefsdp.train.cli import build, train_step
 
 from report import command_line, environment, table, write_section
 

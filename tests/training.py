@@ -9,10 +9,10 @@ from __future__ import annotations
 import torch
 from torch.distributed.tensor import DTensor
 
-from simplefsdp.launch import run_ranks
+from simplefsdp.train.launch import run_ranks
 from simplefsdp.models.llama import Transformer, TransformerConfig
-from simplefsdp.data import SyntheticTokens
-from simplefsdp.train import train_steps
+from simplefsdp.train.data import SyntheticTokens
+from simplefsdp.train.cli import train_steps
 
 # vocab 97 and ffn 90 do not divide by 4 ranks: every parity run also covers uneven shards
 CFG = TransformerConfig(vocab_size=97, dim=48, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=90)

@@ -8,8 +8,8 @@ The first ``n_dense_layers`` blocks use a dense SwiGLU MLP; the rest use :class:
 * :class:`GroupedExperts`: the routed experts, stored stacked (``w1, w3: [E, dim, hidden]``,
   ``w2: [E, hidden, dim]``) and computed with one grouped matmul per projection over tokens
   sorted by expert (each expert's rows padded to an aligned count where ``torch._grouped_mm``
-  runs, :mod:`simplefsdp.token_permute`). With expert parallelism they exchange tokens with
-  all-to-all (:mod:`simplefsdp.expert_parallel`).
+  runs, :mod:`simplefsdp.moe.token_permute`). With expert parallelism they exchange tokens with
+  all-to-all (:mod:`simplefsdp.moe.token_dispatch`).
 * shared experts: the same SwiGLU as a grouped matmul with a single group, on every token,
   replicated across expert-parallel ranks.
 """
@@ -22,10 +22,10 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from simplefsdp.expert_parallel import ExpertParallel
-from simplefsdp.grouped_mm import grouped_mm, native_available
+from simplefsdp.moe.token_dispatch import TokenDispatcher
+from simplefsdp.moe.grouped_mm import grouped_mm, native_available
 from simplefsdp.models.llama import FeedForward, Transformer, TransformerConfig
-from simplefsdp.token_permute import aligned_groups
+from simplefsdp.moe.token_permute import aligned_groups
 
 
 @dataclass(frozen=True)
@@ -91,7 +91,7 @@ class GroupedExperts(nn.Module):
         self.w1 = nn.Parameter(torch.empty(num_experts, dim, hidden))
         self.w3 = nn.Parameter(torch.empty(num_experts, dim, hidden))
         self.w2 = nn.Parameter(torch.empty(num_experts, hidden, dim))
-        self.expert_parallel: ExpertParallel | None = None
+        self.expert_parallel: TokenDispatcher | None = None
         self.reset_parameters()
 
     def reset_parameters(self) -> None:

@@ -13,8 +13,8 @@ import sys
 import pytest
 import torch
 
-from simplefsdp.grouped_mm import grouped_mm
-from simplefsdp.token_permute import aligned_groups, permute_rows
+from simplefsdp.moe.grouped_mm import grouped_mm
+from simplefsdp.moe.token_permute import aligned_groups, permute_rows
 
 COUNTS = [3, 0, 5, 17, 1]  # an empty group, groups shorter and longer than the alignment
 
@@ -73,7 +73,7 @@ def test_permute_rows_compiles_with_its_gradient():
 
 _KERNEL_CHECK = """
 import torch
-from simplefsdp import token_permute as tp
+from simplefsdp.moe import token_permute as tp
 assert tp._triton_usable(torch.empty(1))
 g = torch.Generator().manual_seed(0)
 for dtype in (torch.float32, torch.bfloat16):
@@ -98,7 +98,7 @@ def test_triton_kernel_matches_torch_path():
 def test_on_gpu_kernel_and_padding_leave_grouped_mm_bits_unchanged():
     """On CUDA in bf16: the Triton path is taken, equals the torch path, and padding the groups
     for ``torch._grouped_mm`` changes no bit of its output or gradients."""
-    from simplefsdp import token_permute as tp
+    from simplefsdp.moe import token_permute as tp
 
     g = torch.Generator(device="cuda").manual_seed(0)
     counts = torch.tensor([100, 0, 37, 300, 75, 1, 250, 61], dtype=torch.int32, device="cuda")

@@ -2,7 +2,7 @@
 
 The routed experts of a MoE layer are split over the ``ep`` ranks: rank ``j`` holds experts
 ``j*L .. (j+1)*L - 1`` (``L = num_experts / ep``). Tokens arrive sorted by expert, so the tokens
-for rank ``j`` are one contiguous block. :class:`ExpertParallel`:
+for rank ``j`` are one contiguous block. :class:`TokenDispatcher`:
 
 1. exchanges tokens-per-expert counts with an all-to-all (``[E]`` int32 per rank);
 2. dispatches the token rows with an autograd all-to-all whose split sizes come from the counts;
@@ -34,7 +34,7 @@ def is_routed_experts(module: torch.nn.Module) -> bool:
     return hasattr(module, "num_experts") and hasattr(module, "expert_parallel")
 
 
-class ExpertParallel:
+class TokenDispatcher:
     """Token dispatch and combine over one ``ep`` mesh dim (set on a routed-experts module)."""
 
     def __init__(self, ep_mesh: DeviceMesh, num_experts: int, tp_mesh: DeviceMesh | None = None):

@@ -13,10 +13,10 @@ import time
 
 import pytest
 
-from simplefsdp import compare, train
-from simplefsdp.metrics import read_records
+from simplefsdp.train import cli as train, compare
+from simplefsdp.train.metrics import read_records
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DENSE, MOE = (os.path.join(REPO, "configs", f"debug_{m}.toml") for m in ("dense", "moe"))
 
 

@@ -18,7 +18,7 @@ import simplefsdp.passes as passes
 from simplefsdp import simple_fsdp
 from simplefsdp.models.llama import Transformer, TransformerConfig, cross_entropy_loss
 from simplefsdp.models.moe import MOE_CONFIGS, MoE, moe_transformer
-from simplefsdp.models.parallelize import apply_tensor_parallel
+from simplefsdp.models.tp_plan import apply_tensor_parallel
 from simplefsdp.passes.a2a_overlap import AllToAllOverlap
 from simplefsdp.passes.fsdp_bucketing import FSDPBucketing, plan_buckets
 from simplefsdp.passes.fx_utils import block_of, reorder
@@ -280,7 +280,7 @@ def test_a2a_overlap_moe_layer(tc):
     all-to-all and its wait, their last matmul between the combine and its wait; in backward
     the shared experts' gradient matmuls (and reduce-scatters) sit under the two gradient
     all-to-alls. Before the pass every all-to-all is waited on at once (see test_moe_graphs)."""
-    from tests.test_moe_graphs import _moe_layer_graphs
+    from tests.moe.test_moe_graphs import _moe_layer_graphs
 
     forward, backward = _moe_layer_graphs((8,), ("dp_shard",), 2, passes=[AllToAllOverlap()], waits=True)
     tc.assertExpectedInline(forward, """\
@@ -347,7 +347,7 @@ wait reduce_scatter_tensor[dp_shard]""")
 def test_a2a_overlap_moe_layer_fsdp2_tp2_ep2(tc):
     """With TP the combined rows are all-gathered over tp after the combine; the shared experts'
     last matmul still runs under the combine all-to-all."""
-    from tests.test_moe_graphs import _moe_layer_graphs
+    from tests.moe.test_moe_graphs import _moe_layer_graphs
 
     forward, backward = _moe_layer_graphs((4, 2), ("dp_shard", "tp"), 2, passes=[AllToAllOverlap()], waits=True)
     tc.assertExpectedInline(forward, """\
@@ -416,7 +416,7 @@ wait reduce_scatter_tensor[dp_shard]""")
 
 @pytest.mark.slow
 def test_a2a_overlap_moe_layer_hsdp2x2_tp2_ep2(tc):
-    from tests.test_moe_graphs import _moe_layer_graphs
+    from tests.moe.test_moe_graphs import _moe_layer_graphs
 
     forward, backward = _moe_layer_graphs(
         (2, 2, 2), ("dp_replicate", "dp_shard", "tp"), 2, passes=[AllToAllOverlap()], waits=True
@@ -596,7 +596,7 @@ def _gloo_guard_body():
 
 
 def test_gloo_guard_keeps_one_collective_in_flight():
-    from simplefsdp.launch import run_ranks
+    from simplefsdp.train.launch import run_ranks
 
     before, after_prefetch, after = run_ranks(_gloo_guard_body, 1, timeout=120)[0]
     assert before == [

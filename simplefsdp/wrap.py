@@ -23,7 +23,7 @@ from torch.utils._pytree import tree_map_only
 
 from simplefsdp import passes
 from simplefsdp.eager_reshard import resharding_saved_tensors
-from simplefsdp.expert_parallel import ExpertParallel, is_routed_experts
+from simplefsdp.moe.token_dispatch import TokenDispatcher, is_routed_experts
 from simplefsdp.mesh_layout import DataParallelLayout, ExpertLayout, resolve_layout
 from simplefsdp.param_gather import ParamGather, param_gather
 
@@ -295,7 +295,7 @@ def simple_fsdp(
             continue
         if module in routed:
             experts = layout.experts
-            module.expert_parallel = ExpertParallel(experts.ep_mesh, module.num_experts, experts.tp_mesh)
+            module.expert_parallel = TokenDispatcher(experts.ep_mesh, module.num_experts, experts.tp_mesh)
         gathers = {}
         for name in names:
             param = module._parameters[name]

@@ -3,7 +3,7 @@
 Used by the parity tests and the benchmarks to compare SimpleFSDP with FSDP2 on the same model,
 data and mesh. Each transformer block and the root are ``fully_shard`` units. With ``ep > 1`` the
 routed experts keep only their ep rank's slice of the expert dim, use the same
-:class:`~simplefsdp.expert_parallel.ExpertParallel` dispatch, and are a ``fully_shard`` unit of
+:class:`~simplefsdp.moe.token_dispatch.TokenDispatcher` dispatch, and are a ``fully_shard`` unit of
 their own on the edp mesh (a separate unit works on torch 2.11, which lacks per-parameter meshes).
 Their gradients are summed and divided by the whole dp degree, like SimpleFSDP's experts.
 """
@@ -14,7 +14,7 @@ import torch.nn as nn
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import Shard
 
-from simplefsdp.expert_parallel import ExpertParallel, is_routed_experts
+from simplefsdp.moe.token_dispatch import TokenDispatcher, is_routed_experts
 from simplefsdp.mesh_layout import DP_REPLICATE, resolve_layout
 
 
@@ -23,7 +23,7 @@ def _keep_local_experts(module: nn.Module, ep_mesh) -> None:
     for name, param in list(module.named_parameters(recurse=False)):
         local = param.detach().chunk(ep, 0)[rank].clone()
         module._parameters[name] = nn.Parameter(local, requires_grad=param.requires_grad)
-    module.expert_parallel = ExpertParallel(ep_mesh, module.num_experts)
+    module.expert_parallel = TokenDispatcher(ep_mesh, module.num_experts)
 
 
 def fsdp2(

@@ -60,7 +60,7 @@ def _run_fsdp2(mode, mixed=False):
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    from simplefsdp.fsdp2_baseline import fsdp2
+    from simplefsdp.baselines.fsdp2 import fsdp2
 
     world = dist.get_world_size()
     shape = {"fully_shard": (world,), "replicate": (world, 1), "hybrid_shard": (2, world // 2)}[mode]

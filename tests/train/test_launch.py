@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from simplefsdp.launch import run_ranks
+from simplefsdp.train.launch import run_ranks
 
 
 def _rank1_crashes():

@@ -2,11 +2,11 @@
 
     simplefsdp-train --config configs/debug_moe.toml --training.steps 30 --parallel.ep 2
 
-Trains the configured model (:mod:`simplefsdp.config`) with SimpleFSDP, or with FSDP2 for
-comparison (``--baseline fsdp2``), and logs every step (:mod:`simplefsdp.metrics`) to stdout and
+Trains the configured model (:mod:`simplefsdp.train.config`) with SimpleFSDP, or with FSDP2 for
+comparison (``--baseline fsdp2``), and logs every step (:mod:`simplefsdp.train.metrics`) to stdout and
 ``<out_dir>/metrics.jsonl``. Under ``torchrun`` it uses the launcher's ranks (nccl on GPUs, gloo on
 CPUs); started plainly it spawns the configured number of CPU ranks itself (gloo), so one command
-runs on a laptop. Checkpoints (:mod:`simplefsdp.checkpoint`) are saved every
+runs on a laptop. Checkpoints (:mod:`simplefsdp.train.checkpoint`) are saved every
 ``checkpoint.interval`` steps and at the end; ``--resume`` continues from the last one, in any
 parallel layout. ``--trace-dir DIR`` records the compile for tlparse (:mod:`simplefsdp.tracing`).
 
@@ -24,11 +24,11 @@ import time
 import torch
 import torch.distributed as dist
 
-from simplefsdp.checkpoint import CheckpointError, Checkpointer, check_folder
-from simplefsdp.config import ConfigError, JobConfig, load, model_fingerprint, validate
-from simplefsdp.data import rank_slice, token_stream
-from simplefsdp.grad_norm import clip_grads_
-from simplefsdp.metrics import MetricsLog, StepMetrics, flops_per_token, peak_flops, peak_memory_gib
+from simplefsdp.train.checkpoint import CheckpointError, Checkpointer, check_folder
+from simplefsdp.train.config import ConfigError, JobConfig, load, model_fingerprint, validate
+from simplefsdp.train.data import rank_slice, token_stream
+from simplefsdp.train.grad_norm import clip_grads_
+from simplefsdp.train.metrics import MetricsLog, StepMetrics, flops_per_token, peak_flops, peak_memory_gib
 from simplefsdp.models.llama import cross_entropy_loss
 from simplefsdp.tracing import trace
 
@@ -95,7 +95,7 @@ def build(cfg: JobConfig, world: int, device_type: str):
     from simplefsdp.activation_checkpoint import apply_activation_checkpointing
     from simplefsdp.models.llama import Transformer
     from simplefsdp.models.moe import moe_transformer
-    from simplefsdp.models.parallelize import apply_tensor_parallel
+    from simplefsdp.models.tp_plan import apply_tensor_parallel
 
     p, t = cfg.parallel, cfg.training
     mesh = _mesh(cfg, world, device_type)
@@ -107,7 +107,7 @@ def build(cfg: JobConfig, world: int, device_type: str):
     if p.activation_checkpoint != "none":
         model = apply_activation_checkpointing(model, p.activation_checkpoint)
     if t.baseline == "fsdp2":
-        from simplefsdp.fsdp2_baseline import fsdp2
+        from simplefsdp.baselines.fsdp2 import fsdp2
 
         model = fsdp2(model, mesh, ep=p.ep, mp_policy=_mp_policy(cfg), reshard_after_forward=p.reshard_after_forward)
         runner = model
@@ -270,10 +270,7 @@ def main(argv=None) -> None:
         finally:
             dist.destroy_process_group()
         return
-    from simplefsdp.launch import run_ranks
+    from simplefsdp.train.launch import run_ranks
 
     run_ranks(_rank_main, world, cfg, start, args.trace_dir, timeout=24 * 3600)
 
-
-if __name__ == "__main__":
-    main()

@@ -12,7 +12,7 @@ import argparse
 import os
 import sys
 
-from simplefsdp.metrics import read_records
+from simplefsdp.train.metrics import read_records
 
 
 def _label(path: str) -> str:

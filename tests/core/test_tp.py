@@ -13,7 +13,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from simplefsdp import simple_fsdp
 from simplefsdp.models.llama import FeedForward
-from simplefsdp.models.parallelize import apply_tensor_parallel
+from simplefsdp.models.tp_plan import apply_tensor_parallel
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 from tests import training as T
 from tests.graphs import captured_graphs

@@ -16,7 +16,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from simplefsdp import simple_fsdp
 from simplefsdp.activation_checkpoint import apply_activation_checkpointing
-from simplefsdp.models.parallelize import apply_tensor_parallel
+from simplefsdp.models.tp_plan import apply_tensor_parallel
 from simplefsdp.models.moe import MoEConfig
 from tests import training as T
 from tests.graphs import captured_graphs
@@ -126,7 +126,7 @@ def _fsdp2_run(cfg, mesh):
     """FSDP2 with EP: losses, and its ep rank's experts / dense parameters as full tensors."""
     import torch.distributed as dist
 
-    from simplefsdp.fsdp2_baseline import fsdp2
+    from simplefsdp.baselines.fsdp2 import fsdp2
 
     model = fsdp2(T.build_model(CONFIGS[cfg]), mesh, ep=2)
     losses = T.train(model, T.batches(CONFIGS[cfg]), dp_rank=dist.get_rank(), dp_size=dist.get_world_size())
