@@ -60,8 +60,12 @@ class ExpertLayout:
         return self.edp_mesh.size()
 
     def fsdp_dim(self, num_experts: int) -> int:
-        """FSDP shards the expert dim over edp, or dim 1 when edp ranks outnumber the local experts."""
-        return 0 if self.edp * self.ep <= num_experts else 1
+        """FSDP shards the expert dim over edp when edp divides each ep rank's experts, else dim 1.
+
+        Dim 0 is a strided shard of the full tensor and must split evenly; dim 1 is a plain
+        ``Shard(1)``, which DTensor cuts unevenly where it has to.
+        """
+        return 0 if (num_experts // self.ep) % self.edp == 0 else 1
 
 
 @dataclass(frozen=True)

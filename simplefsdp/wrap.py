@@ -17,17 +17,17 @@ import contextlib
 import torch
 import torch.nn as nn
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
-from torch.distributed.tensor.placement_types import _StridedShard
+from torch.distributed.tensor import DTensor, Shard
 from torch.utils._pytree import tree_map_only
 
-from simplefsdp import passes
+from simplefsdp import passes, sharding
 from simplefsdp.eager_reshard import resharding_saved_tensors
+from simplefsdp.mesh_layout import DataParallelLayout, resolve_layout
 from simplefsdp.moe.token_dispatch import TokenDispatcher, is_routed_experts
-from simplefsdp.mesh_layout import DataParallelLayout, ExpertLayout, resolve_layout
 from simplefsdp.param_gather import ParamGather, param_gather
 
 _GATHERS_ATTR = "_simplefsdp_gathers"
+_COMPUTE_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _SWAPPED_CLASSES: dict[tuple[type, tuple[str, ...]], type] = {}
 
 
@@ -64,7 +64,7 @@ def _check_model(model: nn.Module) -> None:
 
 
 def _check_tp_parameters(model: nn.Module, layout: DataParallelLayout) -> None:
-    """DTensor parameters must come from tensor parallelism on the mesh's ``tp`` dim."""
+    """DTensor parameters must come from tensor parallelism on the mesh's ``tp`` dim, split evenly."""
     for name, param in model.named_parameters():
         if not isinstance(param, DTensor):
             continue
@@ -77,6 +77,29 @@ def _check_tp_parameters(model: nn.Module, layout: DataParallelLayout) -> None:
             raise ValueError(
                 f"parameter {name!r} is a DTensor on {param.device_mesh}, not on the mesh's 'tp' dim"
             )
+        tp = layout.tp_mesh.size()
+        for placement in param.placements:
+            if isinstance(placement, Shard) and param.shape[placement.dim] % tp:
+                raise ValueError(
+                    f"parameter {name!r}: tp={tp} does not divide dim {placement.dim} of shape "
+                    f"{tuple(param.shape)}; tensor-parallel compute needs even splits"
+                )
+
+
+def _check_parameters(model: nn.Module, layout: DataParallelLayout) -> None:
+    """Shapes simple_fsdp cannot store, and meta parameters it cannot initialize."""
+    for module_name, module in model.named_modules():
+        for pname, param in module.named_parameters(recurse=False):
+            full = f"{module_name}.{pname}" if module_name else pname
+            if param.ndim == 0 and any(isinstance(p, Shard) for p in layout.shard):
+                raise ValueError(
+                    f"parameter {full!r} is 0-dim and {layout.mode} shards dim 0; store it with shape [1]"
+                )
+            if param.is_meta and not callable(getattr(module, "reset_parameters", None)):
+                raise ValueError(
+                    f"parameter {full!r} is on the meta device and {type(module).__name__} has no "
+                    "reset_parameters() to initialize it; materialize the model or define reset_parameters()"
+                )
 
 
 def _check_mp_policy(mp_policy: MixedPrecisionPolicy | None) -> MixedPrecisionPolicy:
@@ -88,9 +111,22 @@ def _check_mp_policy(mp_policy: MixedPrecisionPolicy | None) -> MixedPrecisionPo
         )
     for field in ("param_dtype", "reduce_dtype", "output_dtype"):
         dtype = getattr(mp_policy, field)
-        if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
-            raise ValueError(f"mp_policy.{field} must be a floating-point torch.dtype; got {dtype!r}")
+        if dtype is not None and dtype not in _COMPUTE_DTYPES:
+            raise ValueError(
+                f"mp_policy.{field} must be one of {_COMPUTE_DTYPES} (float8 needs scaled matmuls, "
+                f"not a cast); got {dtype!r}"
+            )
     return mp_policy
+
+
+def _check_flags(ep, reshard_after_forward) -> None:
+    if not isinstance(ep, int) or isinstance(ep, bool) or ep < 1:
+        raise ValueError(f"ep must be a positive int; got {ep!r}")
+    if not isinstance(reshard_after_forward, bool):
+        raise ValueError(
+            "reshard_after_forward must be True or False (FSDP2's int form, resharding to a "
+            f"smaller group, is not supported); got {reshard_after_forward!r}"
+        )
 
 
 def _materialize_meta(model: nn.Module, device: torch.device) -> None:
@@ -99,17 +135,10 @@ def _materialize_meta(model: nn.Module, device: torch.device) -> None:
     Modules are visited in registration order, one at a time, so peak memory is one module's
     unsharded parameters and a seeded run draws the same values as building the model on ``device``.
     """
-    for module_name, module in model.named_modules():
+    for module in model.modules():
         tensors = {**module._parameters, **module._buffers}
-        meta = [n for n, t in tensors.items() if t is not None and t.is_meta]
-        if not meta:
+        if not any(t is not None and t.is_meta for t in tensors.values()):
             continue
-        if not callable(getattr(module, "reset_parameters", None)):
-            full = f"{module_name}.{meta[0]}" if module_name else meta[0]
-            raise ValueError(
-                f"parameter {full!r} is on the meta device and {type(module).__name__} has no "
-                "reset_parameters() to initialize it; materialize the model or define reset_parameters()"
-            )
         module.to_empty(device=device, recurse=False)
         with torch.no_grad():
             module.reset_parameters()
@@ -121,50 +150,6 @@ def _mesh_device(layout: DataParallelLayout) -> torch.device:
         return torch.device("cpu")
     handle = getattr(torch, device_type)
     return torch.device(device_type, handle.current_device())
-
-
-def _shard_parameter(param: nn.Parameter, layout: DataParallelLayout, device: torch.device) -> nn.Parameter:
-    # src_data_rank=None: every rank keeps its own chunk, like fully_shard; no collective
-    dtensor = distribute_tensor(
-        param.detach().to(device), layout.dp_mesh, layout.shard, src_data_rank=None
-    )
-    return nn.Parameter(dtensor, requires_grad=param.requires_grad)
-
-
-def _shard_tp_parameter(param: nn.Parameter, layout: DataParallelLayout) -> nn.Parameter:
-    """A TP DTensor re-homed on ``[dp..., tp]``: dp shards dim 0 of the tp-local tensor.
-
-    When tp already shards dim 0, dp's shard of it is a strided shard of the full tensor.
-    """
-    tp_placement = param.placements[0]
-    local = param.to_local().detach()
-    for dim_mesh, placement in zip(layout.dim_meshes, layout.shard):
-        if isinstance(placement, Shard):
-            local = local.chunk(dim_mesh.size(), 0)[dim_mesh.get_local_rank()]
-    dp = tuple(
-        _StridedShard(0, split_factor=layout.tp_mesh.size()) if isinstance(p, Shard) and tp_placement.is_shard(0) else p
-        for p in layout.shard
-    )
-    dtensor = DTensor.from_local(
-        local.contiguous(), layout.mesh, dp + (tp_placement,), run_check=False,
-        shape=param.shape, stride=param.stride(),
-    )
-    return nn.Parameter(dtensor, requires_grad=param.requires_grad)
-
-
-def _shard_expert_parameter(
-    param: nn.Parameter, experts: ExpertLayout, fsdp_dim: int, device: torch.device
-) -> nn.Parameter:
-    """A DTensor on ``[dp_replicate,] edp, ep``: experts split over ep, then FSDP over edp."""
-    full = param.detach().to(device)
-    local = full.chunk(experts.ep, 0)[experts.ep_mesh.get_local_rank()]
-    local = local.chunk(experts.edp, fsdp_dim)[experts.edp_mesh.get_local_rank()].contiguous()
-    edp = _StridedShard(0, split_factor=experts.ep) if fsdp_dim == 0 else Shard(fsdp_dim)
-    placements = (Replicate(),) * (experts.mesh.ndim - 2) + (edp, Shard(0))
-    dtensor = DTensor.from_local(
-        local, experts.mesh, placements, run_check=False, shape=full.shape, stride=full.stride()
-    )
-    return nn.Parameter(dtensor, requires_grad=param.requires_grad)
 
 
 def _routed_experts(model: nn.Module, layout: DataParallelLayout, ep: int) -> dict[nn.Module, int]:
@@ -210,10 +195,10 @@ def _plan_parameter(param, expert_fsdp_dim: int | None, layout: DataParallelLayo
             reduce_op="sum",
             grad_divisor=float(layout.dp_degree),
         )
-        return gather, lambda p: _shard_expert_parameter(p, experts, expert_fsdp_dim, device)
+        return gather, lambda p: sharding.shard_experts(p, experts, expert_fsdp_dim, device)
     if isinstance(param, DTensor):
-        return _tp_gather(param, layout, dtypes), lambda p: _shard_tp_parameter(p, layout)
-    return param_gather(layout.gather_steps, *dtypes), lambda p: _shard_parameter(p, layout, device)
+        return _tp_gather(param, layout, dtypes), lambda p: sharding.shard_tp(p, layout)
+    return param_gather(layout.gather_steps, *dtypes), lambda p: sharding.shard_dense(p, layout, device)
 
 
 def _install_root_hooks(
@@ -277,33 +262,38 @@ def simple_fsdp(
     ``torch.compile`` runs them; ``simplefsdp.passes.compile_options`` configures them per compile.
     Gradients are averaged over the data-parallel ranks, as with ``fully_shard``.
     """
+    # validate: every check runs on every rank before anything is changed or communicated
     _check_model(model)
-    if not isinstance(ep, int) or ep < 1:
-        raise ValueError(f"ep must be a positive int; got {ep!r}")
+    _check_flags(ep, reshard_after_forward)
     layout = resolve_layout(mesh, mode, ep)
     _check_tp_parameters(model, layout)
+    _check_parameters(model, layout)
     mp_policy = _check_mp_policy(mp_policy)
     routed = _routed_experts(model, layout, ep)
     device = _mesh_device(layout)
-    _materialize_meta(model, device)
 
-    dtypes = (mp_policy.param_dtype, mp_policy.reduce_dtype, bool(reshard_after_forward))
-    sharded: dict[int, nn.Parameter] = {}  # tied parameters stay tied
-    for module in list(model.modules()):
+    # plan: how each parameter is gathered and stored (tied parameters once)
+    dtypes = (mp_policy.param_dtype, mp_policy.reduce_dtype, reshard_after_forward)
+    plans = []
+    for module in model.modules():
         names = tuple(n for n, p in module._parameters.items() if p is not None)
-        if not names:
-            continue
+        if names:
+            plan = {n: _plan_parameter(module._parameters[n], routed.get(module), layout, dtypes, device) for n in names}
+            plans.append((module, names, plan))
+
+    # apply
+    _materialize_meta(model, device)
+    sharded: dict[int, nn.Parameter] = {}
+    for module, names, plan in plans:
         if module in routed:
             experts = layout.experts
             module.expert_parallel = TokenDispatcher(experts.ep_mesh, module.num_experts, experts.tp_mesh)
-        gathers = {}
         for name in names:
             param = module._parameters[name]
-            gathers[name], shard = _plan_parameter(param, routed.get(module), layout, dtypes, device)
             if id(param) not in sharded:
-                sharded[id(param)] = shard(param)
+                sharded[id(param)] = plan[name][1](param)
             module._parameters[name] = sharded[id(param)]
-        setattr(module, _GATHERS_ATTR, gathers)
+        setattr(module, _GATHERS_ATTR, {name: plan[name][0] for name in names})
         _swap_class(module, names)
     if routed:  # dispatch split sizes become unbacked symbolic sizes, not graph breaks
         torch._dynamo.config.capture_scalar_outputs = True
@@ -311,6 +301,6 @@ def simple_fsdp(
         for name, buf in module._buffers.items():
             if buf is not None:
                 module._buffers[name] = buf.to(device)
-    _install_root_hooks(model, mp_policy, bool(reshard_after_forward))
+    _install_root_hooks(model, mp_policy, reshard_after_forward)
     passes.install()
     return model

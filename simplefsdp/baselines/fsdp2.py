@@ -16,13 +16,12 @@ from torch.distributed.tensor import Shard
 
 from simplefsdp.moe.token_dispatch import TokenDispatcher, is_routed_experts
 from simplefsdp.mesh_layout import DP_REPLICATE, resolve_layout
+from simplefsdp.sharding import local_experts
 
 
 def _keep_local_experts(module: nn.Module, ep_mesh) -> None:
-    rank, ep = ep_mesh.get_local_rank(), ep_mesh.size()
     for name, param in list(module.named_parameters(recurse=False)):
-        local = param.detach().chunk(ep, 0)[rank].clone()
-        module._parameters[name] = nn.Parameter(local, requires_grad=param.requires_grad)
+        module._parameters[name] = nn.Parameter(local_experts(param, ep_mesh), requires_grad=param.requires_grad)
     module.expert_parallel = TokenDispatcher(ep_mesh, module.num_experts)
 
 

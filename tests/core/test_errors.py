@@ -1,4 +1,5 @@
-"""Bad input to simple_fsdp raises a ValueError that names what is wrong, before any collective."""
+"""Bad input to simple_fsdp raises a ValueError that names what is wrong, before any collective,
+and leaves the model as it was: the same classes, the same parameter objects, the same values."""
 
 from __future__ import annotations
 
@@ -15,11 +16,25 @@ def _mesh(shape=(8,), names=("dp_shard",)):
     return init_device_mesh("cpu", shape, mesh_dim_names=names)
 
 
+def _state(model):
+    return [
+        (name, type(m), {n: (p, p.device, p.clone() if not p.is_meta else None) for n, p in m._parameters.items() if p is not None})
+        for name, m in model.named_modules()
+    ]
+
+
 def _expect_error(match, model=None, mesh=None, **kwargs):
     model = model if model is not None else FeedForward(16, 32)
+    before = _state(model)
     with pytest.raises(ValueError, match=match):
         simple_fsdp(model, mesh if mesh is not None else _mesh(), **kwargs)
     assert not is_simple_fsdp(model)
+    for (name, cls, params), (_, cls_after, params_after) in zip(before, _state(model), strict=True):
+        assert cls is cls_after, name
+        for n, (p, device, value) in params.items():
+            p_after, device_after, value_after = params_after[n]
+            assert p is p_after and device == device_after, f"{name}.{n}"
+            assert value is None or torch.equal(value, value_after), f"{name}.{n}"
 
 
 def test_unknown_mode(fake_world):
@@ -73,8 +88,49 @@ def test_meta_parameter_without_init_path(fake_world):
 
 def test_bad_mixed_precision_policy(fake_world):
     _expect_error(r"mp_policy must be a torch.distributed.fsdp.MixedPrecisionPolicy", mp_policy={"param_dtype": torch.bfloat16})
-    _expect_error(r"mp_policy.param_dtype must be a floating-point", mp_policy=MixedPrecisionPolicy(param_dtype=torch.int8))
+    for dtype in (torch.int8, torch.float8_e4m3fn):
+        _expect_error(
+            rf"mp_policy.param_dtype must be one of .*float8 needs scaled matmuls.*got {dtype}",
+            mp_policy=MixedPrecisionPolicy(param_dtype=dtype),
+        )
+    _expect_error(r"mp_policy.reduce_dtype must be one of", mp_policy=MixedPrecisionPolicy(reduce_dtype=torch.int32))
 
 
 def test_bad_ep_degree(fake_world):
     _expect_error(r"ep must be a positive int; got 0", ep=0)
+    _expect_error(r"ep must be a positive int; got True", ep=True)
+
+
+def test_reshard_after_forward_must_be_a_bool(fake_world):
+    for value in (2, "yes", None):
+        _expect_error(rf"reshard_after_forward must be True or False .*got {value!r}", reshard_after_forward=value)
+
+
+def test_zero_dim_parameter_on_a_sharded_mesh(fake_world):
+    class Scale(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+            self.scale = nn.Parameter(torch.tensor(2.0))
+
+    _expect_error(r"parameter 'scale' is 0-dim and fully_shard shards dim 0; store it with shape \[1\]", model=Scale())
+
+
+def test_meta_check_runs_before_any_module_is_materialized(fake_world):
+    class NoInit(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.scale = nn.Parameter(torch.empty(4, device="meta"))
+
+    model = nn.Sequential(nn.Linear(4, 4, device="meta"), NoInit())
+    _expect_error(r"parameter '1.scale' is on the meta device", model=model)
+    assert model[0].weight.is_meta
+
+
+def test_tp_plan_that_tp_does_not_divide(fake_world):
+    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+
+    mesh = _mesh((4, 2), ("dp_shard", "tp"))
+    model = nn.Sequential(nn.Linear(4, 5), nn.Linear(5, 4))
+    parallelize_module(model, mesh["tp"], {"0": ColwiseParallel()})
+    _expect_error(r"parameter '0.weight': tp=2 does not divide dim 0 of shape \(5, 4\)", model=model, mesh=mesh)

@@ -1,0 +1,90 @@
+"""Every stored shard owns exactly its bytes and lies where DTensor says it lies, on every rank.
+
+Each layout is built once per rank of a fake process group (rank 0 to the last), so the
+rank-dependent chunking of uneven shards runs on every rank, not only rank 0.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import dataclasses
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
+from torch.testing._internal.distributed.fake_pg import FakeStore
+
+from simplefsdp import simple_fsdp
+from simplefsdp.models.moe import MOE_CONFIGS, moe_transformer
+from simplefsdp.models.tp_plan import apply_tensor_parallel
+from simplefsdp.sharding import chunk_bounds
+
+DEBUG = MOE_CONFIGS["debug"]  # 8 experts
+# name: (world, mesh shape, mesh dim names, ep, num_experts)
+LAYOUTS = {
+    "FSDP8": (8, (8,), ("dp_shard",), 1, 8),
+    "HSDP 2x4": (8, (2, 4), ("dp_replicate", "dp_shard"), 1, 8),
+    "replicate 8": (8, (8,), ("dp_replicate",), 1, 8),
+    "FSDP8 x EP2": (8, (8,), ("dp_shard",), 2, 8),
+    "FSDP8 x EP2, dim-1 experts": (8, (8,), ("dp_shard",), 2, 4),
+    "FSDP6 x EP2, uneven": (6, (6,), ("dp_shard",), 2, 8),
+    "HSDP 2x4 x EP2": (8, (2, 4), ("dp_replicate", "dp_shard"), 2, 8),
+    "FSDP4 x TP2": (8, (4, 2), ("dp_shard", "tp"), 1, 8),
+    "FSDP4 x TP2 x EP2": (8, (4, 2), ("dp_shard", "tp"), 2, 8),
+    "HSDP 2x2 x TP2 x EP2": (8, (2, 2, 2), ("dp_replicate", "dp_shard", "tp"), 2, 8),
+}
+
+
+@contextlib.contextmanager
+def _wrapped(rank, world, shape, names, ep, num_experts):
+    """The debug MoE wrapped on ``rank`` of a fake world, and an unwrapped copy of it."""
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
+    try:
+        torch.manual_seed(0)
+        model = moe_transformer(dataclasses.replace(DEBUG, num_experts=num_experts))
+        reference = copy.deepcopy(model)
+        mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
+        if "tp" in names:
+            apply_tensor_parallel(model, mesh["tp"])
+        yield simple_fsdp(model, mesh, ep=ep), reference
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_each_shard_owns_its_bytes_on_every_rank(layout):
+    world, shape, names, ep, num_experts = LAYOUTS[layout]
+    tp = "tp" in names
+    for rank in range(world):
+        with _wrapped(rank, world, shape, names, ep, num_experts) as (model, reference):
+            full = dict(reference.named_parameters())
+            for name, param in model.named_parameters():
+                assert isinstance(param, DTensor), name
+                local = param.to_local()
+                assert local.is_contiguous(), (rank, name)
+                assert local.untyped_storage().nbytes() == local.numel() * local.element_size(), (rank, name)
+                # DTensor's own arithmetic at this rank's coordinate (read from the rank grid: the
+                # DTensor's mesh object can be an equal mesh cached from an earlier rank's group)
+                grid = param.device_mesh.mesh
+                coordinate = [int(c) for c in (grid == dist.get_rank()).nonzero()[0]]
+                local_shape, offset = _compute_local_shape_and_global_offset(
+                    param.shape, grid.shape, coordinate, param.placements
+                )
+                assert tuple(local.shape) == tuple(local_shape), (rank, name)
+                if not tp:  # TP's own distribute_tensor moves no data under the fake group
+                    where = tuple(slice(o, o + n) for o, n in zip(offset, local_shape))
+                    assert torch.equal(local, full[name].detach()[where]), (rank, name)
+
+
+def test_chunk_bounds_follow_torch_chunk():
+    for size in range(0, 10):
+        for parts in range(1, 9):
+            chunks = torch.arange(size).chunk(parts)
+            for i in range(parts):
+                offset, length = chunk_bounds(size, parts, i)
+                expected = chunks[i].tolist() if i < len(chunks) else []
+                assert list(range(offset, offset + length)) == expected, (size, parts, i)
