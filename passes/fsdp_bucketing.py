@@ -37,6 +37,9 @@ from simplefsdp.passes import fx_utils
 from simplefsdp.passes.fx_utils import BLOCK_META, input_closure, module_path, node_block, record_plan
 
 ARTIFACT = "simplefsdp_fsdp_buckets"
+# passed to torch's merge helpers explicitly: without it, torch 2.13 follows the global
+# ``aten_distributed_optimizations.bucket_mode``, which may emit ops this pass does not expect
+BUCKET_MODE = "default"
 
 
 @dataclass
@@ -130,9 +133,9 @@ class FSDPBucketing(CustomGraphPass):
                 # the shards) hoisted above it: every rank then issues the same collectives in
                 # the same order, also when uneven shards give ranks different pad nodes
                 _hoist_inputs(graph, bucket.nodes, before=bucket.nodes[0])
-                merge_all_gather_bucket(graph, bucket.nodes, insert_before=bucket.nodes[0])
+                merge_all_gather_bucket(graph, bucket.nodes, mode=BUCKET_MODE, insert_before=bucket.nodes[0])
             else:  # after the last reduce-scatter, when every gradient of the bucket is ready
-                merge_reduce_scatter_bucket(graph, bucket.nodes)
+                merge_reduce_scatter_bucket(graph, bucket.nodes, mode=BUCKET_MODE)
             for node in graph.nodes:  # the merged nodes carry no module path: keep their block
                 if node not in before:
                     node.meta[BLOCK_META] = bucket.block

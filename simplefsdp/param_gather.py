@@ -19,7 +19,6 @@ With ``reshard_after_forward`` the gathered tensor must not live from forward to
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
@@ -138,6 +137,25 @@ class _DivideGrad(torch.autograd.Function):
         return grad / ctx.divisor, None
 
 
-# one shared ParamGather per distinct configuration, so torch.compile sees few objects
-param_gather = functools.cache(ParamGather)
-"""One shared :class:`ParamGather` per distinct configuration, so torch.compile sees few objects."""
+_GATHERS: dict = {}
+
+
+def _group_identity(value):
+    """``value`` with each DeviceMesh replaced by the mesh and the names of its process groups.
+
+    DeviceMesh equality compares ranks and dim names only, so a mesh rebuilt over new process
+    groups equals the old one; the cache must not hand it the old groups.
+    """
+    if isinstance(value, DeviceMesh):
+        return (value, tuple(value.get_group(d).group_name for d in range(value.ndim)))
+    if isinstance(value, tuple):
+        return tuple(_group_identity(v) for v in value)
+    return value
+
+
+def param_gather(*args, **kwargs) -> ParamGather:
+    """One shared :class:`ParamGather` per configuration and process groups, so torch.compile sees few objects."""
+    key = _group_identity((args, tuple(sorted(kwargs.items()))))
+    if key not in _GATHERS:
+        _GATHERS[key] = ParamGather(*args, **kwargs)
+    return _GATHERS[key]
