@@ -1,17 +1,18 @@
-"""``simple_fsdp()``: turn every parameter of a model into a sharded DTensor behind a property.
+"""``simple_fsdp()``: validate, plan, then turn every parameter into a sharded DTensor.
 
-For each module that owns parameters, the parameters are replaced in ``module._parameters`` by
-sharded DTensor ``nn.Parameter``s and the module's class is swapped for a generated subclass with
-one property per parameter name. The property reads the shard and passes it through the module's
-:class:`~simplefsdp.param_gather.ParamGather`, so compute sees the gathered tensor while
-``state_dict()``, ``parameters()`` and the optimizer see the shards (no collective).
-
-One subclass is generated per (original class, parameter names) and reused by every instance, so
-all layers of a model share one class and torch.compile compiles a block once.
+1. **Validate** everything on every rank before anything changes or communicates: the model, the
+   mesh and mode (:mod:`.mesh_layout`), tensor-parallel parameters, shapes, dtypes, routed experts.
+2. **Plan** per parameter how compute gathers it (a :class:`~simplefsdp.param_gather.ParamGather`)
+   and how it is stored (a function of :mod:`.sharding`).
+3. **Apply**: initialize meta parameters, store each parameter as its shard (tied parameters once),
+   attach the token dispatcher to routed experts, and swap each parameter-owning module's class
+   for one whose parameters read as shards outside forward and gathered inside
+   (:mod:`.param_access`); install the root's hooks (mixed-precision casts, eager resharding).
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
 
 import torch
@@ -24,40 +25,22 @@ from simplefsdp import passes, sharding
 from simplefsdp.eager_reshard import resharding_saved_tensors
 from simplefsdp.mesh_layout import DataParallelLayout, resolve_layout
 from simplefsdp.moe.token_dispatch import TokenDispatcher, is_routed_experts
+from simplefsdp.param_access import ForwardState, WrappedParams, attach, count_forwards, is_wrapped
 from simplefsdp.param_gather import ParamGather, param_gather
 
-_GATHERS_ATTR = "_simplefsdp_gathers"
 _COMPUTE_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-_SWAPPED_CLASSES: dict[tuple[type, tuple[str, ...]], type] = {}
-
-
-def _gathered_property(name: str) -> property:
-    def read(module: nn.Module) -> torch.Tensor:
-        return getattr(module, _GATHERS_ATTR)[name](module._parameters[name])
-
-    return property(read)
-
-
-def _swap_class(module: nn.Module, names: tuple[str, ...]) -> None:
-    key = (type(module), names)
-    cls = _SWAPPED_CLASSES.get(key)
-    if cls is None:
-        props = {name: _gathered_property(name) for name in names}
-        cls = type(f"SimpleFSDP{type(module).__name__}", (type(module),), props)
-        _SWAPPED_CLASSES[key] = cls
-    module.__class__ = cls
 
 
 def is_simple_fsdp(model: nn.Module) -> bool:
     """Whether ``simple_fsdp`` has wrapped ``model`` or any of its submodules."""
-    return any(hasattr(m, _GATHERS_ATTR) for m in model.modules())
+    return any(is_wrapped(m) for m in model.modules())
 
 
 def _check_model(model: nn.Module) -> None:
     if not isinstance(model, nn.Module):
         raise ValueError(f"model must be an nn.Module; got {type(model).__name__}")
     for name, module in model.named_modules():
-        if hasattr(module, _GATHERS_ATTR):
+        if is_wrapped(module):
             raise ValueError(f"module {name or '<root>'!r} is already wrapped by simple_fsdp")
         if isinstance(module, FSDPModule):
             raise ValueError(f"module {name or '<root>'!r} is already wrapped by fully_shard")
@@ -202,9 +185,11 @@ def _plan_parameter(param, expert_fsdp_dim: int | None, layout: DataParallelLayo
 
 
 def _install_root_hooks(
-    model: nn.Module, mp_policy: MixedPrecisionPolicy, reshard_after_forward: bool
+    model: nn.Module, state: ForwardState, mp_policy: MixedPrecisionPolicy, reshard_after_forward: bool
 ) -> None:
-    """Cast root inputs/outputs as ``mp_policy`` asks; pack saved tensors for eager resharding."""
+    """Count the root's forward (parameters read gathered inside it); cast root inputs and outputs
+    as ``mp_policy`` asks; pack saved tensors for eager resharding."""
+    count_forwards(model, state, root=True)
     cast_inputs = mp_policy.cast_forward_inputs and mp_policy.param_dtype is not None
     output_dtype = mp_policy.output_dtype
     exit_stack = contextlib.ExitStack()
@@ -258,8 +243,9 @@ def simple_fsdp(
             all-to-all. Sets ``torch._dynamo.config.capture_scalar_outputs`` so the all-to-all
             split sizes trace without a graph break.
 
-    Installs SimpleFSDP's Inductor passes (``simplefsdp.passes.install()``) so that a later
-    ``torch.compile`` runs them; ``simplefsdp.passes.compile_options`` configures them per compile.
+    Installs SimpleFSDP's Inductor passes (``simplefsdp.passes.install``) so that a later
+    ``torch.compile`` runs them on this model's graphs; ``simplefsdp.compile_options`` configures
+    them per compile.
     Gradients are averaged over the data-parallel ranks, as with ``fully_shard``.
     """
     # validate: every check runs on every rank before anything is changed or communicated
@@ -283,24 +269,33 @@ def simple_fsdp(
 
     # apply
     _materialize_meta(model, device)
+    state = ForwardState()
+    # tied parameters (one object under several owners) are sharded once and share one key
+    owners = collections.Counter(id(module._parameters[n]) for module, names, _ in plans for n in names)
+    keys = {pid: i for i, pid in enumerate(owners)}
     sharded: dict[int, nn.Parameter] = {}
     for module, names, plan in plans:
         if module in routed:
             experts = layout.experts
             module.expert_parallel = TokenDispatcher(experts.ep_mesh, module.num_experts, experts.tp_mesh)
+        wrapped = WrappedParams(
+            state,
+            gathers={n: plan[n][0] for n in names},
+            keys={n: keys[id(module._parameters[n])] for n in names},
+            tied={n: owners[id(module._parameters[n])] > 1 for n in names},
+        )
         for name in names:
             param = module._parameters[name]
             if id(param) not in sharded:
                 sharded[id(param)] = plan[name][1](param)
             module._parameters[name] = sharded[id(param)]
-        setattr(module, _GATHERS_ATTR, {name: plan[name][0] for name in names})
-        _swap_class(module, names)
+        attach(module, wrapped)
     if routed:  # dispatch split sizes become unbacked symbolic sizes, not graph breaks
         torch._dynamo.config.capture_scalar_outputs = True
     for module in model.modules():  # buffers follow the parameters to the mesh's device
         for name, buf in module._buffers.items():
             if buf is not None:
                 module._buffers[name] = buf.to(device)
-    _install_root_hooks(model, mp_policy, reshard_after_forward)
-    passes.install()
+    _install_root_hooks(model, state, mp_policy, reshard_after_forward)
+    passes.install(layout.group_names())
     return model

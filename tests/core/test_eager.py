@@ -61,12 +61,13 @@ def test_meta_init_matches_eager_init(mesh):
 
 def test_single_rank_mesh_still_casts_to_param_dtype(fake_world):
     """A mesh dim of one rank gathers nothing, but compute still gets param_dtype weights."""
-    from simplefsdp import MixedPrecisionPolicy
+    from simplefsdp import MixedPrecisionPolicy, gathered
 
     mesh = init_device_mesh("cpu", (8, 1), mesh_dim_names=("dp_replicate", "dp_shard"))
     for m in (mesh, mesh["dp_shard"]):
         model = simple_fsdp(FeedForward(16, 32), m, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
-        assert model.w1.weight.dtype == torch.bfloat16
+        with gathered(model):
+            assert model.w1.weight.dtype == torch.bfloat16
 
 
 def test_gpu_moe_config_has_one_to_two_billion_parameters():

@@ -1,0 +1,176 @@
+"""What ``module.weight`` is on a wrapped model: the shard outside forward, the gathered tensor inside.
+
+As with FSDP2, a wrapped module's parameter reads as the sharded DTensor ``nn.Parameter`` outside
+a forward: no collective, so in-place initialization (``nn.init.*_``, ``model.apply``,
+``init_weights()``), ``requires_grad_`` and reads on one rank only act on the shard. Inside a
+forward of the model it reads as the gathered tensor that compute needs.
+
+Each wrapped module's class is swapped for a generated subclass with one property per parameter
+name; the property asks the model's :class:`ForwardState` whether a forward is running. Forward
+hooks on the root and on every parameter-owning module keep that count, so a block re-run by
+eager activation checkpointing during backward, or called on its own, gathers too.
+
+Eagerly, a forward gathers each parameter once, however often it is read (tied weights, a loop
+over experts), and frees it when the module that read it returns: ranks that read a weight a
+different number of times still issue the same collectives. Under ``torch.compile`` a read
+always traces the gather, wherever it happens: the traced code is a forward, and a counter or a
+cache changed inside a checkpointed region's trace is a side effect Dynamo refuses. A parameter
+read twice in one compiled forward is therefore gathered twice (tied weights).
+
+:func:`gathered` gives full parameters outside forward (export, evaluation): it gathers every
+parameter once, in the same order on every rank, on entry, and frees them on exit.
+
+One subclass is generated per (original class, parameter names) and reused by every instance, so
+all layers of a model share one class and torch.compile compiles a block once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn as nn
+
+from simplefsdp.param_gather import ParamGather
+
+WRAPPED_ATTR = "_simplefsdp"
+STATE_ATTR = "_simplefsdp_forward_state"
+_SWAPPED_CLASSES: dict[tuple[type, tuple[str, ...]], type] = {}
+
+
+@dataclass
+class ForwardState:
+    """One wrapped model's eager forwards in progress and what each has gathered.
+
+    ``frames`` holds per forward (innermost last) the keys of the gathered tensors it keeps in
+    ``gathered``; they are freed when it returns, as FSDP2 reshards a unit after its forward. A
+    tied parameter belongs to the outermost forward (FSDP2 keeps tied weights in the root unit),
+    so it is gathered once per forward.
+    """
+
+    frames: list[list[int]] = field(default_factory=list)
+    gathered: dict[int, torch.Tensor] = field(default_factory=dict)
+    root_depths: list[int] = field(default_factory=list)  # len(frames) when each root forward began
+
+    def enter(self) -> None:
+        self.frames.append([])
+
+    def exit(self) -> None:
+        for key in self.frames.pop():
+            del self.gathered[key]
+
+    def enter_root(self) -> None:
+        self.root_depths.append(len(self.frames))
+        self.enter()
+
+    def exit_root(self) -> None:
+        """Close the root's frame and any an inner forward left open by raising."""
+        depth = self.root_depths.pop()
+        while len(self.frames) > depth:
+            self.exit()
+
+    def read(self, param: torch.Tensor, key: int, tied: bool, gather) -> torch.Tensor:
+        """The shard outside a forward; inside, the tensor ``gather`` makes, once per forward."""
+        if not self.frames:
+            return param
+        if key not in self.gathered:
+            self.gathered[key] = gather(param)
+            self.frames[0 if tied else -1].append(key)
+        return self.gathered[key]
+
+
+@dataclass(frozen=True)
+class WrappedParams:
+    """What a wrapped module needs to read its parameters: the model's state, and per name the
+    gather, a key shared by tied parameters, and whether the parameter is tied."""
+
+    state: ForwardState
+    gathers: dict[str, ParamGather]
+    keys: dict[str, int]
+    tied: dict[str, bool]
+
+
+def _gathered_property(name: str) -> property:
+    def read(module: nn.Module) -> torch.Tensor:
+        wrapped = getattr(module, WRAPPED_ATTR)
+        param = module._parameters[name]
+        if torch.compiler.is_compiling():
+            return wrapped.gathers[name](param)
+        return wrapped.state.read(param, wrapped.keys[name], wrapped.tied[name], wrapped.gathers[name])
+
+    return property(read)
+
+
+def attach(module: nn.Module, wrapped: WrappedParams) -> None:
+    """Make ``module``'s parameters read through ``wrapped`` (class swap) and count its forwards."""
+    names = tuple(wrapped.gathers)
+    key = (type(module), names)
+    cls = _SWAPPED_CLASSES.get(key)
+    if cls is None:
+        props = {name: _gathered_property(name) for name in names}
+        cls = type(f"SimpleFSDP{type(module).__name__}", (type(module),), props)
+        _SWAPPED_CLASSES[key] = cls
+    setattr(module, WRAPPED_ATTR, wrapped)
+    module.__class__ = cls
+    count_forwards(module, wrapped.state)
+
+
+def count_forwards(module: nn.Module, state: ForwardState, *, root: bool = False) -> None:
+    """Enter ``state`` for each eager forward of ``module``.
+
+    The hooks are the same two functions on every module (they find the state on the module), so
+    torch.compile sees identical hooks on every block and compiles a block once. Only the root's
+    exit hook runs when forward raises (an always-called hook on every module would make each
+    block's guards differ); it resets the state, so a failed forward leaves nothing gathered.
+    """
+    setattr(module, STATE_ATTR, state)
+    module.register_forward_pre_hook(_enter_root_forward if root else _enter_forward)
+    module.register_forward_hook(_exit_root_forward if root else _exit_forward, always_call=root)
+
+
+def _enter_forward(module, args) -> None:
+    if not torch.compiler.is_compiling():
+        getattr(module, STATE_ATTR).enter()
+
+
+def _exit_forward(module, args, output) -> None:
+    if not torch.compiler.is_compiling():
+        getattr(module, STATE_ATTR).exit()
+
+
+def _enter_root_forward(module, args) -> None:
+    if not torch.compiler.is_compiling():
+        getattr(module, STATE_ATTR).enter_root()
+
+
+def _exit_root_forward(module, args, output) -> None:
+    if not torch.compiler.is_compiling():
+        getattr(module, STATE_ATTR).exit_root()
+
+
+def is_wrapped(module: nn.Module) -> bool:
+    return hasattr(module, WRAPPED_ATTR)
+
+
+@contextlib.contextmanager
+def gathered(model: nn.Module):
+    """Full parameters outside forward: ``with gathered(model): model.weight`` is the gathered tensor.
+
+    Every rank must enter it (it gathers each parameter once, in ``model.modules()`` order). The
+    gathered tensors are freed on exit.
+    """
+    modules = [m for m in model.modules() if is_wrapped(m)]
+    if not modules:
+        raise ValueError("gathered() needs a model wrapped by simple_fsdp")
+    state = getattr(modules[0], WRAPPED_ATTR).state
+    if state.frames:
+        raise ValueError("gathered() is for use outside forward; inside it, parameters are already gathered")
+    state.enter()
+    try:
+        for module in modules:
+            for name in getattr(module, WRAPPED_ATTR).gathers:
+                getattr(module, name)
+        yield model
+    finally:
+        state.exit()
