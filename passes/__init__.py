@@ -3,26 +3,31 @@
 :class:`SimpleFSDPPasses` runs them in order on each post-grad graph: FSDP bucketing
 (:mod:`.fsdp_bucketing`), the all-to-all overlap (:mod:`.a2a_overlap`), FSDP prefetch
 (:mod:`.fsdp_prefetch`), the gloo guard (:mod:`.gloo_one_in_flight`, always on: it works around
-a gloo crash and changes nothing elsewhere), then the pass the user had set, if any. ``simple_fsdp(...)`` calls
-:func:`install`, so a plain ``torch.compile(model)`` runs them; :func:`compile_options`
-configures them (or turns them off) for one compile::
+a gloo crash and changes nothing elsewhere), then the passes the user had set, if any.
+``simple_fsdp(...)`` calls :func:`install`, so a plain ``torch.compile(model)`` runs them on the
+wrapped model's graphs (and on no other model's); :func:`compile_options` configures them (or
+turns them off) for one compile::
 
     model = torch.compile(simple_fsdp(model, mesh, ep=2))            # defaults
     model = torch.compile(model, options=compile_options(bucketing="all", bucket_cap_mb=64))
     model = torch.compile(model, options=compile_options(bucketing="none", a2a_overlap=False, prefetch=0))
 
-Inductor takes one ``post_grad_custom_post_pass`` (torch 2.11 takes a single callable), so a
-pass set before ``simple_fsdp`` is kept and run after ours, not replaced.
+Inductor takes one ``post_grad_custom_post_pass`` from its global config (torch 2.11 a single
+callable; 2.13 also a list, and inference-aware passes), so the user's pass, in any of those
+forms, set before or after ``simple_fsdp``, is kept and run after ours, never replaced.
 """
 
 from __future__ import annotations
 
 import torch
+import torch._dynamo.callback
+from torch._inductor import custom_graph_pass
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 
 from simplefsdp.passes.a2a_overlap import AllToAllOverlap
 from simplefsdp.passes.fsdp_bucketing import FSDPBucketing
 from simplefsdp.passes.fsdp_prefetch import FSDPPrefetch
+from simplefsdp.passes.fx_utils import collective_sequences
 from simplefsdp.passes.gloo_one_in_flight import GlooOneInFlight
 
 BUCKETING = ("all", "reduce_scatter", "none")
@@ -30,8 +35,28 @@ BUCKETING = ("all", "reduce_scatter", "none")
 DEFAULT_BUCKETING = "reduce_scatter"
 
 
-class SimpleFSDPPasses(CustomGraphPass):
-    """Our post-grad passes in order, then ``user_pass``; caches by all of their uuids."""
+# torch 2.13 lets a pass ask whether the graph is an inference graph; torch 2.11 does not
+_InferenceAware = getattr(custom_graph_pass, "CustomInferenceAwareGraphPass", None)
+_GROUPS: set[str] = set()  # process groups of models wrapped by simple_fsdp
+
+
+def _user_passes(user_pass) -> tuple:
+    """A user's ``post_grad_custom_post_pass`` in any form torch accepts, as a tuple of passes."""
+    if user_pass is None:
+        return ()
+    if isinstance(user_pass, SimpleFSDPPasses):
+        return user_pass.user_passes
+    if isinstance(user_pass, (list, tuple)):
+        return tuple(p for item in user_pass for p in _user_passes(item))
+    return (user_pass,)
+
+
+class SimpleFSDPPasses(_InferenceAware or CustomGraphPass):
+    """Our post-grad passes in order, then the user's; caches by all of their uuids.
+
+    Ours run only on graphs with a collective on a process group of a model that ``simple_fsdp``
+    wrapped (:func:`install` registers them): graphs of other models get the user's passes alone.
+    """
 
     def __init__(
         self,
@@ -43,14 +68,14 @@ class SimpleFSDPPasses(CustomGraphPass):
     ):
         if bucketing not in BUCKETING:
             raise ValueError(f"bucketing must be one of {BUCKETING}; got {bucketing!r}")
+        if isinstance(bucket_cap_mb, bool) or not (bucket_cap_mb is None or isinstance(bucket_cap_mb, (int, float))):
+            raise ValueError(f"bucket_cap_mb must be a number of MB or None; got {bucket_cap_mb!r}")
         if bucket_cap_mb is not None and not bucket_cap_mb > 0:
             raise ValueError(f"bucket_cap_mb must be positive; got {bucket_cap_mb!r}")
         if not isinstance(a2a_overlap, bool):
             raise ValueError(f"a2a_overlap must be True or False; got {a2a_overlap!r}")
         if not isinstance(prefetch, int) or isinstance(prefetch, bool) or prefetch < 0:
             raise ValueError(f"prefetch must be an int >= 0 (blocks in flight; 0: off); got {prefetch!r}")
-        if isinstance(user_pass, SimpleFSDPPasses):
-            user_pass = user_pass.user_pass
         self.passes = []
         if bucketing != "none":
             self.passes.append(FSDPBucketing(bucket_cap_mb, all_gathers=bucketing == "all"))
@@ -59,37 +84,55 @@ class SimpleFSDPPasses(CustomGraphPass):
         if prefetch:
             self.passes.append(FSDPPrefetch(prefetch))
         self.passes.append(GlooOneInFlight())
-        self.user_pass = user_pass
+        self.user_passes = _user_passes(user_pass)
 
-    def __call__(self, graph: torch.fx.Graph) -> None:
-        for graph_pass in self.passes:
-            graph_pass(graph)
-        if self.user_pass is not None:
-            self.user_pass(graph)
+    def __call__(self, graph: torch.fx.Graph, is_inference: bool = False) -> None:
+        if _GROUPS.intersection(collective_sequences(graph)):
+            for graph_pass in self.passes:
+                graph_pass(graph)
+        for user_pass in self.user_passes:
+            if _InferenceAware is not None and isinstance(user_pass, _InferenceAware):
+                user_pass(graph, is_inference=is_inference)
+            else:
+                user_pass(graph)
 
     def uuid(self):
-        if self.user_pass is None:
-            user = b""
-        elif isinstance(self.user_pass, CustomGraphPass):
-            user = self.user_pass.uuid()
-            if user is None:  # the user's pass opts out of caching: so does the chain
+        users = []
+        for user_pass in self.user_passes:
+            if not isinstance(user_pass, CustomGraphPass):
+                return None  # a plain function has no stable identity to cache by
+            users.append(user_pass.uuid())
+            if users[-1] is None:  # the user's pass opts out of caching: so does the chain
                 return None
-        else:
-            return None  # a plain function has no stable identity to cache by
         parts = [p.uuid() for p in self.passes]
-        return get_hash_for_files((__file__,), extra=repr((parts, user)))
+        return get_hash_for_files((__file__,), extra=repr((parts, users)))
 
 
-def _user_pass():
-    """The post-grad pass set in Inductor's config that is not ours."""
+def _attach() -> None:
+    """Put the default chain in Inductor's config, keeping whatever pass is there (run after ours)."""
     current = torch._inductor.config.post_grad_custom_post_pass
-    return current.user_pass if isinstance(current, SimpleFSDPPasses) else current
+    if not isinstance(current, SimpleFSDPPasses):
+        torch._inductor.config.post_grad_custom_post_pass = SimpleFSDPPasses(user_pass=current)
 
 
-def install() -> None:
-    """Make every later ``torch.compile`` run the default passes (keeping a user's pass)."""
-    if not isinstance(torch._inductor.config.post_grad_custom_post_pass, SimpleFSDPPasses):
-        torch._inductor.config.post_grad_custom_post_pass = SimpleFSDPPasses(user_pass=_user_pass())
+def _attach_at_compile_start(_args) -> None:
+    if _GROUPS:
+        _attach()
+
+
+def install(group_names) -> None:
+    """Run the default passes on compiled graphs that use these process groups.
+
+    Called by ``simple_fsdp``. Inductor takes its post-grad pass from global config, so the chain
+    is put there; it runs the pass that was set before it, and it leaves graphs of models that
+    ``simple_fsdp`` did not wrap to that pass alone. A pass set later is taken into the chain at
+    the start of the next compile (a Dynamo start callback), not dropped in place of ours.
+    """
+    callbacks = getattr(torch._dynamo.callback, "callback_handler", None)  # torch._dynamo.reset() clears it
+    if callbacks is not None and _attach_at_compile_start not in callbacks.start_callbacks:
+        callbacks.register_start_callback(_attach_at_compile_start)
+    _GROUPS.update(group_names)
+    _attach()
 
 
 def compile_options(
@@ -106,7 +149,9 @@ def compile_options(
     ``a2a_overlap`` overlaps the expert all-to-alls with shared-expert compute. ``prefetch``:
     blocks whose all-gathers are issued ahead (and whose reduce-scatters drain behind); 0: off.
     """
-    chain = SimpleFSDPPasses(bucketing, bucket_cap_mb, a2a_overlap, prefetch, user_pass=_user_pass())
+    chain = SimpleFSDPPasses(
+        bucketing, bucket_cap_mb, a2a_overlap, prefetch, user_pass=torch._inductor.config.post_grad_custom_post_pass
+    )
     return {"post_grad_custom_post_pass": chain}
 
 

@@ -101,6 +101,13 @@ class DataParallelLayout:
     def dp_degree(self) -> int:
         return self.dp_mesh.size()
 
+    def group_names(self) -> set[str]:
+        """The process groups of every mesh dim a parameter or token of this layout moves over."""
+        meshes = [*self.dim_meshes, self.tp_mesh]
+        if self.experts is not None:
+            meshes += [self.experts.replicate_mesh, self.experts.edp_mesh, self.experts.ep_mesh]
+        return {m.get_group().group_name for m in meshes if m is not None}
+
 
 def _nontrivial(steps) -> tuple[tuple[DeviceMesh, Placement], ...]:
     """Drop steps over one rank: they would be collectives that move nothing."""

@@ -12,6 +12,7 @@ import dataclasses
 
 import pytest
 import torch
+import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
 
 import simplefsdp.passes as passes
@@ -22,6 +23,7 @@ from simplefsdp.models.tp_plan import apply_tensor_parallel
 from simplefsdp.passes.a2a_overlap import AllToAllOverlap
 from simplefsdp.passes.fsdp_bucketing import FSDPBucketing, plan_buckets
 from simplefsdp.passes.fx_utils import block_of, reorder
+from simplefsdp.train.data import data_parallel_rank
 from tests import training as T
 from tests.graphs import captured_graphs
 
@@ -69,6 +71,8 @@ def test_compile_options():
     assert _kinds(passes.compile_options(bucketing="none", a2a_overlap=False, prefetch=0)) == [guard]
     with pytest.raises(ValueError, match="bucket_cap_mb must be positive; got 0"):
         passes.compile_options(bucket_cap_mb=0)
+    with pytest.raises(ValueError, match=r"bucket_cap_mb must be a number of MB or None; got '64'"):
+        passes.compile_options(bucket_cap_mb="64")
     with pytest.raises(ValueError, match=r"bucketing must be one of \('all', 'reduce_scatter', 'none'\); got True"):
         passes.compile_options(bucketing=True)
     with pytest.raises(ValueError, match="a2a_overlap must be True or False; got 'yes'"):
@@ -88,22 +92,59 @@ class _UserPass(torch._inductor.custom_graph_pass.CustomGraphPass):
         return b"user"
 
 
-def test_install_keeps_the_users_pass():
-    """simple_fsdp installs the passes once; a pass the user set runs after ours, in every form."""
-    user = _UserPass()
-    with torch._inductor.config.patch(post_grad_custom_post_pass=user):
-        passes.install()
-        passes.install()
+class _Recorder:
+    def __init__(self):
+        self.graphs = 0
+
+    def __call__(self, graph, is_inference=None):
+        self.graphs += 1
+        self.is_inference = is_inference
+
+
+class _InferenceAwareUserPass(_UserPass):
+    def __call__(self, graph, is_inference):
+        self.calls += 1
+        self.is_inference = is_inference
+
+
+def test_the_chain_keeps_the_users_pass_in_every_form():
+    """A user's pass runs after ours whatever its form: callable, CustomGraphPass, list, inference-aware."""
+    user, function = _UserPass(), _Recorder()
+    for form, expected in ((user, (user,)), (function, (function,)), ([user, function], (user, function)), (None, ())):
+        with torch._inductor.config.patch(post_grad_custom_post_pass=form):
+            passes.install({"a-group"})
+            passes.install({"a-group"})  # once: the chain does not wrap itself
+            chain = torch._inductor.config.post_grad_custom_post_pass
+            assert isinstance(chain, passes.SimpleFSDPPasses) and chain.user_passes == expected
+            assert passes.compile_options()["post_grad_custom_post_pass"].user_passes == expected
+    passes.SimpleFSDPPasses(user_pass=[user, function])(torch.fx.Graph())
+    assert user.calls == 1 and function.graphs == 1
+    assert passes.SimpleFSDPPasses(user_pass=user).uuid() != passes.SimpleFSDPPasses().uuid()  # in the cache key
+    assert passes.SimpleFSDPPasses(user_pass=function).uuid() is None  # a function: no caching
+    aware_base = getattr(torch._inductor.custom_graph_pass, "CustomInferenceAwareGraphPass", None)
+    if aware_base is not None:  # torch 2.13
+        aware = type("Aware", (_InferenceAwareUserPass, aware_base), {})()
+        passes.SimpleFSDPPasses(user_pass=[aware])(torch.fx.Graph(), is_inference=True)
+        assert aware.calls == 1 and aware.is_inference is True
+
+
+def test_passes_touch_only_wrapped_models_and_keep_a_pass_set_later(fake_world):
+    """Compiles of other models run the user's pass alone; a pass set after simple_fsdp joins the chain."""
+    torch._dynamo.reset()
+    with torch._inductor.config.patch(post_grad_custom_post_pass=None, force_disable_caches=True):
+        model = simple_fsdp(Transformer(TransformerConfig(n_layers=1)), init_device_mesh("cpu", (8,)))
+        ours = _Recorder()
+        torch._inductor.config.post_grad_custom_post_pass.passes = [ours]
+        later = _Recorder()
+        torch._inductor.config.post_grad_custom_post_pass = later  # replaces the chain in config
+        torch.compile(nn.Linear(4, 4))(torch.randn(2, 4, requires_grad=True)).sum().backward()
         chain = torch._inductor.config.post_grad_custom_post_pass
-        assert isinstance(chain, passes.SimpleFSDPPasses) and chain.user_pass is user
-        chain(torch.fx.Graph())
-        assert user.calls == 1
-        assert passes.compile_options()["post_grad_custom_post_pass"].user_pass is user
-        assert passes.compile_options(bucketing="none", a2a_overlap=False, prefetch=0)["post_grad_custom_post_pass"].user_pass is user
-        assert chain.uuid() != passes.SimpleFSDPPasses().uuid()  # the user's pass is in the cache key
-    with torch._inductor.config.patch(post_grad_custom_post_pass=lambda graph: None):
-        passes.install()
-        assert torch._inductor.config.post_grad_custom_post_pass.uuid() is None  # a function: no caching
+        assert isinstance(chain, passes.SimpleFSDPPasses) and chain.user_passes == (later,)
+        assert (ours.graphs, later.graphs) == (0, 2)  # an unrelated model: forward and backward
+        chain.passes = [ours]
+        tokens = torch.randint(0, 256, (2, 8))
+        cross_entropy_loss(torch.compile(model)(tokens), tokens).backward()
+        assert (ours.graphs, later.graphs) == (2, 4)
 
 
 def test_reorder_never_breaks_a_dependency():
@@ -228,7 +269,6 @@ RUNS = {  # name -> (model config, mesh shape, mesh dim names, ep)
 
 def _neutrality_body(run: str, bucketing: str):
     """Rank 0's losses and parameters compiled without our passes, then with them."""
-    import torch.distributed as dist
 
     cfg, shape, names, ep = RUNS[run]
     out = {}
@@ -244,7 +284,7 @@ def _neutrality_body(run: str, bucketing: str):
             model = apply_tensor_parallel(model, mesh["tp"])
         model = simple_fsdp(model, mesh, ep=ep)
         runner = torch.compile(model, fullgraph=True, options=options)
-        dp_rank, dp_size = dist.get_rank() // tp, dist.get_world_size() // tp
+        dp_rank, dp_size = data_parallel_rank(tp)
         losses = T.train(runner, T.batches(cfg), dp_rank=dp_rank, dp_size=dp_size)
         out[name] = losses, T.full_state(model)
     return out
