@@ -57,7 +57,7 @@ from simplefsdp.train.config import load, validate
 from simplefsdp.train.metrics import flops_per_token
 from simplefsdp.models.llama import cross_entropy_loss
 from simplefsdp.passes import SimpleFSDPPasses
-from simplefsdp.passes.a2a_overlap import MATMULS
+from simplefsdp.passes.ops import COLLECTIVES, MATMULS
 from simplefsdp.passes.fx_utils import collective_group, op_name
 from simplefsdp.train.cli import build
 
@@ -67,16 +67,6 @@ from step_time import CONFIGS as STEP_TIME_CONFIGS
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 KERNELS = os.path.join(ROOT, "benchmarks", "results", "moe_kernels_h200.json")
 STEP_TIME = os.path.join(ROOT, "benchmarks", "results", "step_time_moe_h200.json")
-COLLECTIVES = {  # op -> (kind, bytes of: "in" input / "out" output)
-    "all_gather_into_tensor": ("all_gather", "out"),
-    "all_gather_into_tensor_out": ("all_gather", "out"),
-    "all_gather_single": ("all_gather", "out"),
-    "reduce_scatter_tensor": ("reduce_scatter", "in"),
-    "reduce_scatter_single": ("reduce_scatter", "in"),
-    "all_reduce": ("all_reduce", "in"),
-    "all_reduce_": ("all_reduce", "in"),
-    "all_to_all_single": ("all_to_all", "in"),
-}
 ATTENTION = {"_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention",
              "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention"}
 
@@ -185,9 +175,9 @@ def snapshot(graph: torch.fx.Graph, unbacked: dict) -> list[Node]:
         call = _called(node)
         name = op_name(call)
         if name in COLLECTIVES:
-            kind, side = COLLECTIVES[name]
-            val = call.meta["val"] if side == "out" else call.args[0].meta["val"]
-            out.append(Node(node.name, "collective", kind, collective_group(call), _nbytes(val, unbacked)))
+            collective = COLLECTIVES[name]
+            val = call.meta["val"] if collective.bytes_side == "out" else call.args[0].meta["val"]
+            out.append(Node(node.name, "collective", collective.kind, collective_group(call), _nbytes(val, unbacked)))
         elif name == "wait_tensor":
             waited = node.args[2] if call is not node else node.args[0]
             out.append(Node(node.name, "wait", name, waits_for=waited.name))

@@ -37,9 +37,9 @@ from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_file
 
 from simplefsdp.passes import fx_utils
 from simplefsdp.passes.fx_utils import module_path, op_name, pin_after, record_plan, reorder, wait_of
+from simplefsdp.passes.ops import MATMULS
 
 ARTIFACT = "simplefsdp_a2a_overlap"
-MATMULS = frozenset({"mm", "addmm", "bmm", "baddbmm", "_grouped_mm"})
 
 
 def _floating_all_to_all(node: torch.fx.Node) -> bool:

@@ -19,21 +19,10 @@ from collections import defaultdict
 import torch
 from torch._logging import trace_structured
 
+from simplefsdp.passes.ops import COLLECTIVES
+
 _LIST_INDEX = re.compile(r"^(.*?(?:\.\d+|\['\d+'\]))(?:\.|\[|$)")
 _DYNAMO_PREFIX = re.compile(r"^L\['self'\]\.?|^L\['[^']*'\]\.?")
-# position of the group-name argument of each functional collective that the passes may meet
-_GROUP_ARG = {
-    "all_gather_into_tensor": 2,
-    "all_gather_into_tensor_out": 2,
-    "all_gather_single": 2,
-    "reduce_scatter_tensor": 3,
-    "reduce_scatter_tensor_out": 3,
-    "reduce_scatter_single": 3,
-    "all_reduce": 2,
-    "all_reduce_": 2,
-    "all_to_all_single": 3,
-}
-
 
 def op_name(node: torch.fx.Node) -> str | None:
     """The aten/c10d op name of a call (``bmm``, ``wait_tensor``, ...), else None."""
@@ -91,8 +80,8 @@ def wait_of(start: torch.fx.Node) -> torch.fx.Node | None:
 
 def collective_group(node: torch.fx.Node) -> str | None:
     """The process-group name a functional collective runs on, None for other nodes."""
-    index = _GROUP_ARG.get(op_name(node) or "")
-    return None if index is None else str(node.args[index])
+    collective = COLLECTIVES.get(op_name(node) or "")
+    return None if collective is None else str(node.args[collective.group_arg])
 
 
 def is_gloo(group_name: str) -> bool:

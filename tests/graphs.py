@@ -13,20 +13,9 @@ import contextlib
 import torch
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
-MATMULS = {"mm", "addmm", "bmm", "baddbmm", "_grouped_mm"}
-# position of the group-name argument of each functional collective
-COLLECTIVES = {
-    "all_gather_into_tensor": 2,
-    "all_gather_into_tensor_out": 2,  # a merged (bucketed) all-gather
-    "all_gather_single": 2,
-    "reduce_scatter_tensor": 3,
-    "reduce_scatter_single": 3,
-    "all_reduce": 2,
-    "all_reduce_": 2,  # Inductor re-inplaces all_reduce
-    "all_to_all_single": 3,
-    "all_gather_into_tensor_coalesced": 2,
-    "reduce_scatter_tensor_coalesced": 3,
-}
+from simplefsdp.param_access import WRAPPED_ATTR
+from simplefsdp.passes import SimpleFSDPPasses
+from simplefsdp.passes.ops import COLLECTIVES, MATMULS
 
 
 def _dtype(node) -> str:
@@ -49,7 +38,7 @@ def describe(graph: torch.fx.Graph, group_names: dict[str, str]) -> list[str]:
             continue
         name = call.target._opname
         if name in COLLECTIVES:
-            group = call.args[COLLECTIVES[name]]
+            group = call.args[COLLECTIVES[name].group_arg]
             extra = f" {call.args[1]}" if name.startswith(("reduce_scatter", "all_reduce")) else ""
             shown = name.rstrip("_").removesuffix("_out")  # in-place, out= and functional forms read alike
             started[node] = f"{shown}[{group_names.get(group, group)}]"
@@ -82,7 +71,8 @@ def _group_names(source) -> dict[str, str]:
     if isinstance(source, torch.nn.Module):
         meshes = []
         for module in source.modules():
-            for gather in getattr(module, "_simplefsdp_gathers", {}).values():
+            wrapped = getattr(module, WRAPPED_ATTR, None)
+            for gather in wrapped.gathers.values() if wrapped is not None else ():
                 meshes.extend(mesh for mesh, _ in gather.steps)
             dispatch = getattr(module, "expert_parallel", None)
             if dispatch is not None:
@@ -100,5 +90,7 @@ def captured_graphs(source, passes=()):
     each graph before it is described.
     """
     capture = _Capture(_group_names(source), passes)
-    with torch._inductor.config.patch(post_grad_custom_post_pass=capture, force_disable_caches=True):
+    chain = SimpleFSDPPasses(user_pass=capture)
+    chain.passes = []  # only the passes given to the capture run, in its own order
+    with torch._inductor.config.patch(post_grad_custom_post_pass=chain, force_disable_caches=True):
         yield capture.graphs
