@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 from simplefsdp.train.checkpoint import CheckpointError, Checkpointer, check_folder
 from simplefsdp.train.config import ConfigError, JobConfig, load, model_fingerprint, validate
-from simplefsdp.train.data import rank_slice, token_stream
+from simplefsdp.train.data import data_parallel_rank, rank_slice, token_stream
 from simplefsdp.train.grad_norm import clip_grads_
 from simplefsdp.train.metrics import MetricsLog, StepMetrics, flops_per_token, peak_flops, peak_memory_gib
 from simplefsdp.models.llama import cross_entropy_loss
@@ -143,7 +143,7 @@ def run(cfg: JobConfig, start_step: int) -> list[float]:
     checkpointer = Checkpointer(cfg.checkpoint_folder, model_fingerprint(cfg), model, optimizer)
     if start_step:
         checkpointer.load(start_step)
-    dp_rank, dp_size = rank // tp, world // tp  # tp is the inner-most mesh dim
+    dp_rank, dp_size = data_parallel_rank(tp)
     model_cfg = cfg.model_config()
     stream = token_stream(t.dataset, model_cfg.vocab_size, t.global_batch, t.seq_len, t.seed)
     log = MetricsLog(cfg.out_dir, t.steps, enabled=rank == 0, tensorboard=cfg.metrics.tensorboard, resume_step=start_step)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import os
 
 import torch
+import torch.distributed as dist
 
 Batch = tuple[torch.Tensor, torch.Tensor]  # tokens, labels: [global_batch, seq_len] int64
 
@@ -78,6 +79,12 @@ def token_stream(dataset: str, vocab_size: int, global_batch: int, seq_len: int,
     if dataset == "synthetic":
         return SyntheticTokens(vocab_size, global_batch, seq_len, seed)
     return FileTokens(dataset, vocab_size, global_batch, seq_len, seed)
+
+
+def data_parallel_rank(tp: int) -> tuple[int, int]:
+    """This rank's (data-parallel rank, data-parallel size): tp is the inner-most mesh dim, so the
+    ranks of one tp group share one slice of the batch."""
+    return dist.get_rank() // tp, dist.get_world_size() // tp
 
 
 def rank_slice(batch: Batch, dp_rank: int, dp_size: int) -> Batch:

@@ -19,7 +19,7 @@ from simplefsdp import simple_fsdp
 from simplefsdp.models.llama import cross_entropy_loss
 from simplefsdp.models.moe import MoEConfig
 from simplefsdp.models.tp_plan import apply_tensor_parallel
-from simplefsdp.train.data import rank_slice
+from simplefsdp.train.data import data_parallel_rank, rank_slice
 from simplefsdp.train.grad_norm import clip_grads_
 from tests import training as T
 
@@ -81,7 +81,7 @@ def _body(group: str):
             apply_tensor_parallel(model, mesh["tp"])
         simple_fsdp(model, mesh, ep=ep)
         runner = torch.compile(model, fullgraph=True) if compiled else model
-        dp_rank, dp_size = dist.get_rank() // tp, dist.get_world_size() // tp
+        dp_rank, dp_size = data_parallel_rank(tp)
         out[name] = _first_grads_and_sgd(model, runner, CONFIGS[cfg], dp_rank, dp_size)
     if group == "eager":
         out["replica_sync"] = _replica_sync()

@@ -18,6 +18,7 @@ from simplefsdp import simple_fsdp
 from simplefsdp.activation_checkpoint import apply_activation_checkpointing
 from simplefsdp.models.tp_plan import apply_tensor_parallel
 from simplefsdp.models.moe import MoEConfig
+from simplefsdp.train.data import data_parallel_rank
 from tests import training as T
 from tests.graphs import captured_graphs
 
@@ -134,7 +135,6 @@ def _fsdp2_run(cfg, mesh):
 
 
 def _body(group: str):
-    import torch.distributed as dist
 
     out = {"graphs": _moe_layer_graphs()} if group == "eager" else {}
     for name in GROUPS[group]:
@@ -150,7 +150,7 @@ def _body(group: str):
         model = simple_fsdp(model, mesh, ep=2)
         runner = torch.compile(model, fullgraph=True) if compiled else model
         # tp is the inner-most dim: ranks of one tp group share a data-parallel slice
-        dp_rank, dp_size = dist.get_rank() // tp, dist.get_world_size() // tp
+        dp_rank, dp_size = data_parallel_rank(tp)
         losses = T.train(runner, T.batches(CONFIGS[cfg]), dp_rank=dp_rank, dp_size=dp_size)
         out[name] = losses, T.full_state(model)
         if group == "eager" and tp == 1 and _fsdp2_key(name) not in out:
