@@ -19,6 +19,7 @@ With ``reshard_after_forward`` the gathered tensor must not live from forward to
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -39,6 +40,20 @@ def _recompute_everything(ctx, func, *args, **kwargs) -> CheckpointPolicy:
 
 def _recompute_context():
     return create_selective_checkpoint_contexts(_recompute_everything)
+
+
+class _QuietContextFnNotice(logging.Filter):
+    """Drop torch's notice that a ``context_fn`` reached a compiled checkpoint (one per rank).
+
+    It asks the user to check the region for in-place ops; every compiled gather with
+    ``reshard_after_forward`` passes one, and those regions hold only the gather and its casts.
+    """
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "context_fn is passed to torch.utils.checkpoint" not in record.getMessage()
+
+
+logging.getLogger("torch._higher_order_ops.wrap").addFilter(_QuietContextFnNotice())
 
 
 @dataclass(frozen=True)

@@ -116,8 +116,10 @@ def _root_cause(rank: int, error: str, results, procs, logs: _RankLogs, grace: f
         if status == "error" and "by peer" not in value:
             return f"rank {other} failed:\n{value}\n(rank {rank} then lost its connection)"
     dead = {r: p.exitcode for r, p in enumerate(procs) if p.exitcode not in (None, 0)}
-    tails = "".join(logs.tail(r) for r in dead)
-    return f"rank {rank} failed:\n{error}\nranks that exited abnormally (rank: exit code): {dead or 'none yet'}{tails}"
+    if not dead:
+        return f"rank {rank} failed:\n{error}\n(no rank has exited abnormally yet)"
+    died = "\n".join(f"rank {r} died with exit code {code}{logs.tail(r)}" for r, code in dead.items())
+    return f"{died}\n(rank {rank} then lost its connection:\n{error})"
 
 
 def run_ranks(fn, world_size: int, *args, timeout: float = 600.0) -> list:

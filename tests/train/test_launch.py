@@ -22,7 +22,9 @@ def _rank1_crashes():
 def test_crashed_rank_is_named():
     with pytest.raises(RuntimeError) as error:
         run_ranks(_rank1_crashes, 2, timeout=120)
-    assert "{1: 7}" in str(error.value) or "rank 1 died with exit code 7" in str(error.value)
+    # whether the parent sees rank 1 exit first, or rank 0 lose its connection first, the report
+    # leads with the crashed rank
+    assert str(error.value).startswith("rank 1 died with exit code 7")
 
 
 def _rank0_aborts():
