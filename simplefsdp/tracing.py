@@ -10,6 +10,7 @@ Each rank writes its own log. Inductor's caches are off inside the block: on a c
 post-grad passes do not run, and the trace would miss their plans (``simplefsdp_fsdp_buckets``,
 ``simplefsdp_a2a_overlap``). On leaving the block, rank 0 (or the only process) renders its log
 with ``tlparse`` if that is installed; the path of the report is returned by :meth:`Trace.report`.
+A block that compiled nothing writes no log, and says so with a warning.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import logging
 import os
 import shutil
 import subprocess
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -30,6 +32,8 @@ class trace:  # noqa: N801 (used like a function: ``with simplefsdp.trace(dir):`
 
     def __init__(self, dir: str | os.PathLike, render: bool = True):
         self.dir = os.fspath(dir)
+        if os.path.exists(self.dir) and not os.path.isdir(self.dir):
+            raise ValueError(f"trace: {self.dir!r} is a file; give a folder for the trace logs")
         self.render = render
         self.report: str | None = None  # index.html of the tlparse report, once rendered
 
@@ -50,8 +54,16 @@ class trace:  # noqa: N801 (used like a function: ``with simplefsdp.trace(dir):`
         torch_logging.trace_log.removeHandler(self._handler)
         torch_logging.trace_log.setLevel(self._level)
         self._handler.close()
+        new = [log for log in self.logs() if log not in self._before]
+        if not new and exc[0] is None:
+            warnings.warn(
+                f"simplefsdp.trace({self.dir!r}): nothing was compiled inside the block, so no trace was "
+                "written (a compiled model reuses its graphs: first call it inside the block, or "
+                "torch._dynamo.reset() before)",
+                stacklevel=2,
+            )
         rank0 = not dist.is_initialized() or dist.get_rank() == 0
-        written = [log for log in self.logs() if log not in self._before and (not dist.is_initialized() or "rank_0_" in log)]
+        written = [log for log in new if not dist.is_initialized() or "rank_0_" in log]
         if self.render and rank0 and written and exc[0] is None:
             self.report = render(written[-1], os.path.join(self.dir, "tlparse"))
 

@@ -47,12 +47,14 @@ def check_folder(folder: str, fingerprint: str, resume: bool) -> int:
                 f"checkpoint.folder: {folder} holds checkpoints of a different model config ({saved}); "
                 "choose another folder or delete it"
             )
+    if resume and not steps:
+        raise CheckpointError(f"checkpoint.folder: --resume, but {folder} holds no checkpoint to resume from")
     if steps and not resume:
         raise CheckpointError(
             f"checkpoint.folder: {folder} already holds checkpoints (last: step {steps[-1]}); "
             "pass --resume to continue from it, or choose another folder"
         )
-    return steps[-1] if resume and steps else 0
+    return steps[-1] if resume else 0
 
 
 class Checkpointer:

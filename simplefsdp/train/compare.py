@@ -58,21 +58,37 @@ def plot(runs: dict[str, dict[int, float]], path: str) -> None:
     plt.close(fig)
 
 
+def _losses(parser: argparse.ArgumentParser, path: str) -> dict[int, float]:
+    """Step -> loss of one run; a parser error naming the file and line for anything else."""
+    try:
+        records = read_records(path)
+    except OSError as e:
+        parser.error(f"{path}: no metrics ({e.strerror})")
+    except ValueError as e:
+        parser.error(f"{path}: {e}")
+    losses = {}
+    for i, record in enumerate(records, 1):
+        if not isinstance(record, dict) or not isinstance(record.get("step"), int) or not isinstance(record.get("loss"), (int, float)):
+            parser.error(f"{path}: record {i} has no integer 'step' and numeric 'loss'")
+        losses[record["step"]] = record["loss"]
+    if not losses:
+        parser.error(f"{path}: no records")
+    return losses
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(prog="simplefsdp-compare", description=__doc__.splitlines()[0])
     p.add_argument("runs", nargs="+", metavar="RUN", help="run directory or metrics.jsonl")
     p.add_argument("--plot", default="loss_compare.png", help="PNG of the loss curves ('' for none)")
     args = p.parse_args(argv)
+    if args.plot and not os.path.isdir(os.path.dirname(os.path.abspath(args.plot))):
+        p.error(f"--plot: no folder {os.path.dirname(args.plot)!r} to write {os.path.basename(args.plot)!r} into")
     runs = {}
     for path in args.runs:
-        try:
-            records = read_records(path)
-        except OSError as e:
-            p.error(f"{path}: no metrics ({e.strerror})")
         name, n = _label(path), 2
         while name in runs:
             name, n = f"{_label(path)}#{n}", n + 1
-        runs[name] = {r["step"]: r["loss"] for r in records}
+        runs[name] = _losses(p, path)
     print("\n".join(loss_table(runs)))
     if not args.plot:
         return

@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import json
+import math
 import os
 import tomllib
 import typing
@@ -190,6 +191,14 @@ def load(path: str | None, overrides: list[tuple[str, str]] = ()) -> JobConfig:
     return cfg
 
 
+def _writable(folder: str) -> bool:
+    """Whether ``folder`` exists and is writable, or its nearest existing parent would let it be made."""
+    path = os.path.abspath(folder)
+    while not os.path.exists(path):
+        path = os.path.dirname(path)
+    return os.path.isdir(path) and os.access(path, os.W_OK | os.X_OK)
+
+
 def _check(ok: bool, key: str, message: str) -> None:
     if not ok:
         raise ConfigError(f"{key}: {message}")
@@ -207,7 +216,13 @@ def validate(cfg: JobConfig, world: int) -> None:
     _check(m.dim % m.n_heads == 0, "model.n_heads", f"{m.n_heads} does not divide model.dim {m.dim}")
     _check(m.n_heads % m.n_kv_heads == 0, "model.n_kv_heads", f"{m.n_kv_heads} does not divide model.n_heads {m.n_heads}")
     _check(m.head_dim % 2 == 0, "model.dim", f"head dim {m.head_dim} (dim / n_heads) must be even for rotary embeddings")
+    _check(m.rope_theta > 0 and math.isfinite(m.rope_theta), "model.rope_theta", f"must be a positive number, got {m.rope_theta}")
+    _check(m.norm_eps >= 0 and math.isfinite(m.norm_eps), "model.norm_eps", f"must be >= 0, got {m.norm_eps}")
     if kind == "moe":
+        for name in ("num_experts", "expert_dim"):
+            _check(getattr(m, name) >= 1, f"model.{name}", f"must be >= 1, got {getattr(m, name)}")
+        _check(m.num_shared_experts >= 0, "model.num_shared_experts", f"must be >= 0, got {m.num_shared_experts}")
+        _check(m.route_scale > 0 and math.isfinite(m.route_scale), "model.route_scale", f"must be a positive number, got {m.route_scale}")
         _check(1 <= m.top_k <= m.num_experts, "model.top_k", f"must be in 1..num_experts ({m.num_experts}), got {m.top_k}")
         _check(0 <= m.n_dense_layers <= m.n_layers, "model.n_dense_layers", f"must be in 0..n_layers ({m.n_layers})")
         _check(m.score_func in ("sigmoid", "softmax"), "model.score_func", f"must be sigmoid or softmax, got {m.score_func!r}")
@@ -227,8 +242,15 @@ def validate(cfg: JobConfig, world: int) -> None:
            f"must be auto, fully_shard, replicate or hybrid_shard, got {p.mode!r}")
     _check(p.activation_checkpoint in ("none", "full", "selective"), "parallel.activation_checkpoint",
            f"must be none, full or selective, got {p.activation_checkpoint!r}")
+    needs = {"fully_shard": ("dp_replicate", 1, "== 1"), "replicate": ("dp_shard", 1, "== 1"), "hybrid_shard": ("dp_replicate", 2, ">= 2")}
+    if p.mode in needs:
+        dim, bound, text = needs[p.mode]
+        fits = d[dim] == 1 if text == "== 1" else d[dim] >= bound
+        _check(fits, "parallel.mode", f"{p.mode} needs parallel.{dim} {text}; the degrees give {dim} {d[dim]}")
+        _check(p.mode != "replicate" or p.ep == 1, "parallel.mode", "replicate has no dp_shard dim to split into edp x ep")
     if p.tp > 1:
-        _check(m.n_kv_heads % p.tp == 0, "parallel.tp", f"{p.tp} does not divide model.n_kv_heads {m.n_kv_heads}")
+        for name in ("n_heads", "n_kv_heads", "ffn_dim"):  # the TP plan splits heads and the dense MLP
+            _check(getattr(m, name) % p.tp == 0, "parallel.tp", f"{p.tp} does not divide model.{name} {getattr(m, name)}")
     if p.ep > 1:
         _check(kind == "moe", "parallel.ep", f"expert parallelism needs model.kind = 'moe', got {kind!r}")
         _check((d["dp_shard"] * p.tp) % p.ep == 0, "parallel.ep",
@@ -236,7 +258,7 @@ def validate(cfg: JobConfig, world: int) -> None:
         _check(m.num_experts % p.ep == 0, "parallel.ep", f"{p.ep} does not divide model.num_experts {m.num_experts}")
 
     _check(t.steps >= 1, "training.steps", f"must be >= 1, got {t.steps}")
-    _check(t.lr > 0, "training.lr", f"must be > 0, got {t.lr}")
+    _check(t.lr > 0 and math.isfinite(t.lr), "training.lr", f"must be a positive number, got {t.lr}")
     _check(t.seq_len >= 1, "training.seq_len", f"must be >= 1, got {t.seq_len}")
     dp = d["dp_replicate"] * d["dp_shard"]
     _check(t.global_batch >= dp and t.global_batch % dp == 0, "training.global_batch",
@@ -255,6 +277,8 @@ def validate(cfg: JobConfig, world: int) -> None:
 
     c = cfg.checkpoint
     _check(c.interval >= 0, "checkpoint.interval", f"must be >= 0, got {c.interval}")
+    for key, folder in (("metrics.out_dir", cfg.out_dir), ("checkpoint.folder", cfg.checkpoint_folder)):
+        _check(_writable(folder), key, f"cannot create or write {folder!r}")
     if cfg.metrics.tensorboard:
         _check(importlib.util.find_spec("tensorboard") is not None, "metrics.tensorboard", "the tensorboard package is not installed")
     _check(cfg.metrics.peak_tflops >= 0, "metrics.peak_tflops", f"must be >= 0, got {cfg.metrics.peak_tflops}")

@@ -84,11 +84,20 @@ def format_line(m: StepMetrics, steps: int) -> str:
 
 
 def read_records(path: str) -> list[dict]:
-    """The step records of a ``metrics.jsonl`` (or of the one in run directory ``path``)."""
+    """The step records of a ``metrics.jsonl`` (or of the one in run directory ``path``);
+    ValueError naming the first line that is not JSON."""
     if os.path.isdir(path):
         path = os.path.join(path, "metrics.jsonl")
+    records = []
     with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                records.append(json.loads(line))
+            except json.JSONDecodeError:
+                raise ValueError(f"line {number} is not a JSON record (a truncated or non-JSONL file?)") from None
+    return records
 
 
 class MetricsLog:

@@ -55,6 +55,20 @@ def _error(capsys, *argv) -> str:
          "parallel.tp: the fsdp2 baseline has no tensor parallelism"),
         (DENSE, ["--training.dataset", "/no/such/file.txt"], "training.dataset: no such file"),
         (DENSE, ["steps", 3], "steps: unrecognized argument"),
+        (DENSE, ["--ranks", 4, "--parallel.mode", "replicate"],
+         "parallel.mode: replicate needs parallel.dp_shard == 1; the degrees give dp_shard 4"),
+        (DENSE, ["--ranks", 4, "--parallel.mode", "hybrid_shard"],
+         "parallel.mode: hybrid_shard needs parallel.dp_replicate >= 2; the degrees give dp_replicate 1"),
+        (DENSE, ["--ranks", 4, "--parallel.dp_replicate", 2, "--parallel.dp_shard", 2, "--parallel.mode", "fully_shard"],
+         "parallel.mode: fully_shard needs parallel.dp_replicate == 1; the degrees give dp_replicate 2"),
+        (DENSE, ["--ranks", 4, "--parallel.dp_shard", 2, "--parallel.tp", 2, "--model.ffn_dim", 161],
+         "parallel.tp: 2 does not divide model.ffn_dim 161"),
+        (MOE, ["--model.expert_dim", 0], "model.expert_dim: must be >= 1, got 0"),
+        (MOE, ["--model.num_shared_experts", -1], "model.num_shared_experts: must be >= 0, got -1"),
+        (DENSE, ["--model.rope_theta", 0], "model.rope_theta: must be a positive number, got 0"),
+        (DENSE, ["--model.norm_eps", -1e-5], "model.norm_eps: must be >= 0, got -1e-05"),
+        (DENSE, ["--training.lr", "nan"], "training.lr: must be a positive number, got nan"),
+        (DENSE, ["--training.lr", "inf"], "training.lr: must be a positive number, got inf"),
     ],
 )
 def test_bad_config_value_is_one_line_naming_the_key(config, overrides, key, capsys, tmp_path):
@@ -70,6 +84,17 @@ def test_bad_toml_and_tokens_name_the_key(capsys, tmp_path):
     assert _error(capsys, "--config", DENSE, "--training.dataset", text, "--model.vocab_size", 128).startswith(
         "training.dataset: "  # bytes >= 128 (UTF-8 of é) are not token ids of a 128-token vocabulary
     )
+
+
+def test_unwritable_folders_and_resume_without_a_checkpoint_are_refused(capsys, tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    err = _error(capsys, "--config", DENSE, "--metrics.out_dir", blocker / "run")
+    assert err.startswith(f"metrics.out_dir: cannot create or write '{blocker / 'run'}'")
+    err = _error(capsys, "--config", DENSE, "--metrics.out_dir", tmp_path, "--checkpoint.folder", blocker / "ckpt")
+    assert err.startswith(f"checkpoint.folder: cannot create or write '{blocker / 'ckpt'}'")
+    err = _error(capsys, "--config", DENSE, "--metrics.out_dir", tmp_path, "--resume")
+    assert err.startswith(f"checkpoint.folder: --resume, but {tmp_path / 'checkpoints'} holds no checkpoint")
 
 
 def test_checkpoint_folder_of_another_model_is_refused(capsys, tmp_path):
@@ -186,3 +211,30 @@ def test_compare_table_and_plot(tmp_path, capsys):
     pytest.importorskip("matplotlib")
     assert out.splitlines()[5] == f"plot: {png}"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize(
+    "content, message",
+    [
+        ('{"step": 1, "loss": 2.5}\n{"step": 2, "lo', "line 2 is not a JSON record (a truncated or non-JSONL file?)"),
+        ("step,loss\n1,2.5\n", "line 1 is not a JSON record (a truncated or non-JSONL file?)"),
+        ('{"step": 1, "loss": 2.5}\n{"step": 2}\n', "record 2 has no integer 'step' and numeric 'loss'"),
+        ('{"loss": 2.5}\n', "record 1 has no integer 'step' and numeric 'loss'"),
+        ("", "no records"),
+    ],
+)
+def test_compare_rejects_bad_metrics_in_one_line(tmp_path, capsys, content, message):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text(content)
+    with pytest.raises(SystemExit) as exit:
+        compare.main([str(path), "--plot", ""])
+    err = capsys.readouterr().err.splitlines()
+    assert exit.value.code == 2 and err[-1] == f"simplefsdp-compare: error: {path}: {message}"
+
+
+def test_compare_plot_into_a_missing_folder_is_refused_before_reading(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        compare.main([str(tmp_path / "no-run"), "--plot", str(tmp_path / "missing" / "loss.png")])
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        f"simplefsdp-compare: error: --plot: no folder '{tmp_path / 'missing'}' to write 'loss.png' into"
+    )
