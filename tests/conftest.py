@@ -1,4 +1,5 @@
-"""Shared fixtures: a fake 8-rank process group for single-process graph and error tests, and an
+"""Shared fixtures: a fake 8-rank process group for single-process graph and error tests (graph
+modules run as rank 0 and as the last rank), and an
 ``expecttest`` case for inline expected graphs (``EXPECTTEST_ACCEPT=1`` rewrites them)."""
 
 from __future__ import annotations
@@ -8,14 +9,23 @@ import pytest
 import torch.distributed as dist
 
 
-@pytest.fixture(scope="module")
-def fake_world():
-    """World size 8 in this process: collectives trace and run, but move no data."""
+def fake_world_at(rank: int):
+    """World size 8 in this process, as ``rank``: collectives trace and run, but move no data."""
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=8)
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=8)
     yield 8
     dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def fake_world():
+    yield from fake_world_at(0)
+
+
+# graph modules override ``fake_world`` with this, so each graph also compiles on the last rank,
+# where uneven shards are padded
+FAKE_RANKS = dict(scope="module", params=[0, 7], ids=["rank0", "rank7"])
 
 
 @pytest.fixture

@@ -7,11 +7,12 @@ rank on its slice and reports the global loss (the average of equal-sized rank s
 from __future__ import annotations
 
 import torch
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
 from simplefsdp.train.launch import run_ranks
 from simplefsdp.models.llama import Transformer, TransformerConfig
-from simplefsdp.train.data import SyntheticTokens
+from simplefsdp.train.data import SyntheticTokens, data_parallel_rank
 from simplefsdp.train.cli import train_steps
 
 # vocab 97 and ffn 90 do not divide by 4 ranks: every parity run also covers uneven shards
@@ -26,6 +27,29 @@ def build_model(cfg: TransformerConfig = CFG) -> Transformer:
 
         return moe_transformer(cfg)
     return Transformer(cfg)
+
+
+def wrapped_run(cfg, shape, names, ep: int = 1, *, ac=None, compile_options=None, compiled=False):
+    """This rank's (model, what to call for forward, dp rank, dp size): ``cfg``'s model built as
+    :func:`build_model` does, tensor-parallel over a ``tp`` dim, checkpointed with ``ac``, wrapped
+    on a fresh mesh of ``shape`` / ``names``, and compiled (fullgraph) when ``compiled`` or given
+    ``compile_options``."""
+    from simplefsdp import simple_fsdp
+    from simplefsdp.activation_checkpoint import apply_activation_checkpointing
+    from simplefsdp.models.tp_plan import apply_tensor_parallel
+
+    torch._dynamo.reset()
+    mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
+    model = build_model(cfg)
+    tp = mesh["tp"].size() if "tp" in names else 1
+    if tp > 1:
+        model = apply_tensor_parallel(model, mesh["tp"])
+    if ac is not None:
+        model = apply_activation_checkpointing(model, ac)
+    model = simple_fsdp(model, mesh, ep=ep)
+    compiled = compiled or compile_options is not None
+    runner = torch.compile(model, fullgraph=True, options=compile_options) if compiled else model
+    return (model, runner, *data_parallel_rank(tp))
 
 
 def batches(cfg: TransformerConfig = CFG):

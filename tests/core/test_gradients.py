@@ -18,8 +18,7 @@ from torch.distributed.tensor import DTensor
 from simplefsdp import simple_fsdp
 from simplefsdp.models.llama import cross_entropy_loss
 from simplefsdp.models.moe import MoEConfig
-from simplefsdp.models.tp_plan import apply_tensor_parallel
-from simplefsdp.train.data import data_parallel_rank, rank_slice
+from simplefsdp.train.data import rank_slice
 from simplefsdp.train.grad_norm import clip_grads_
 from tests import training as T
 
@@ -73,15 +72,7 @@ def _body(group: str):
     out = {}
     for name in GROUPS[group]:
         cfg, shape, names, ep, compiled = RUNS[name]
-        torch._dynamo.reset()
-        mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
-        model = T.build_model(CONFIGS[cfg])
-        tp = mesh["tp"].size() if "tp" in names else 1
-        if tp > 1:
-            apply_tensor_parallel(model, mesh["tp"])
-        simple_fsdp(model, mesh, ep=ep)
-        runner = torch.compile(model, fullgraph=True) if compiled else model
-        dp_rank, dp_size = data_parallel_rank(tp)
+        model, runner, dp_rank, dp_size = T.wrapped_run(CONFIGS[cfg], shape, names, ep, compiled=compiled)
         out[name] = _first_grads_and_sgd(model, runner, CONFIGS[cfg], dp_rank, dp_size)
     if group == "eager":
         out["replica_sync"] = _replica_sync()

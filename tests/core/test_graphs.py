@@ -6,12 +6,20 @@ sequences short; the whole transformer is checked by counts.
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch.distributed.device_mesh import init_device_mesh
 
 from simplefsdp import MixedPrecisionPolicy, simple_fsdp
 from simplefsdp.models.llama import FeedForward, Transformer, TransformerConfig, cross_entropy_loss
+from tests.conftest import FAKE_RANKS, fake_world_at
 from tests.graphs import captured_graphs
+
+
+@pytest.fixture(**FAKE_RANKS)
+def fake_world(request):
+    yield from fake_world_at(request.param)
+
 
 BF16_FP32 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
 

@@ -15,10 +15,7 @@ import torch
 from torch.distributed.device_mesh import init_device_mesh
 
 from simplefsdp import simple_fsdp
-from simplefsdp.activation_checkpoint import apply_activation_checkpointing
-from simplefsdp.models.tp_plan import apply_tensor_parallel
 from simplefsdp.models.moe import MoEConfig
-from simplefsdp.train.data import data_parallel_rank
 from tests import training as T
 from tests.graphs import captured_graphs
 
@@ -135,25 +132,13 @@ def _fsdp2_run(cfg, mesh):
 
 
 def _body(group: str):
-
     out = {"graphs": _moe_layer_graphs()} if group == "eager" else {}
     for name in GROUPS[group]:
         cfg, shape, names, compiled, ac = RUNS[name]
-        torch._dynamo.reset()
-        mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
-        model = T.build_model(CONFIGS[cfg])
-        tp = mesh["tp"].size() if "tp" in names else 1
-        if tp > 1:
-            model = apply_tensor_parallel(model, mesh["tp"])
-        if ac is not None:
-            model = apply_activation_checkpointing(model, ac)
-        model = simple_fsdp(model, mesh, ep=2)
-        runner = torch.compile(model, fullgraph=True) if compiled else model
-        # tp is the inner-most dim: ranks of one tp group share a data-parallel slice
-        dp_rank, dp_size = data_parallel_rank(tp)
+        model, runner, dp_rank, dp_size = T.wrapped_run(CONFIGS[cfg], shape, names, 2, ac=ac, compiled=compiled)
         losses = T.train(runner, T.batches(CONFIGS[cfg]), dp_rank=dp_rank, dp_size=dp_size)
         out[name] = losses, T.full_state(model)
-        if group == "eager" and tp == 1 and _fsdp2_key(name) not in out:
+        if group == "eager" and "tp" not in names and _fsdp2_key(name) not in out:
             out[_fsdp2_key(name)] = _fsdp2_run(cfg, init_device_mesh("cpu", shape, mesh_dim_names=names))
     return out
 

@@ -23,7 +23,14 @@ from simplefsdp import simple_fsdp
 from simplefsdp.activation_checkpoint import apply_activation_checkpointing
 from simplefsdp.models.moe import MOE_CONFIGS, MoE, moe_transformer
 from simplefsdp.models.llama import cross_entropy_loss
+from tests.conftest import FAKE_RANKS, fake_world_at
 from tests.graphs import captured_graphs
+
+
+@pytest.fixture(**FAKE_RANKS)
+def fake_world(request):
+    yield from fake_world_at(request.param)
+
 
 CFG = MOE_CONFIGS["debug"]  # 8 experts
 

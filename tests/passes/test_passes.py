@@ -19,11 +19,9 @@ import simplefsdp.passes as passes
 from simplefsdp import simple_fsdp
 from simplefsdp.models.llama import Transformer, TransformerConfig, cross_entropy_loss
 from simplefsdp.models.moe import MOE_CONFIGS, MoE, moe_transformer
-from simplefsdp.models.tp_plan import apply_tensor_parallel
 from simplefsdp.passes.a2a_overlap import AllToAllOverlap
 from simplefsdp.passes.fsdp_bucketing import FSDPBucketing, plan_buckets
 from simplefsdp.passes.fx_utils import block_of, reorder
-from simplefsdp.train.data import data_parallel_rank
 from tests import training as T
 from tests.graphs import captured_graphs
 
@@ -269,22 +267,13 @@ RUNS = {  # name -> (model config, mesh shape, mesh dim names, ep)
 
 def _neutrality_body(run: str, bucketing: str):
     """Rank 0's losses and parameters compiled without our passes, then with them."""
-
     cfg, shape, names, ep = RUNS[run]
     out = {}
     for name, options in (
         ("plain", passes.compile_options(bucketing="none", a2a_overlap=False, prefetch=0)),
         ("passes", passes.compile_options(bucketing=bucketing)),
     ):
-        torch._dynamo.reset()
-        mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
-        model = T.build_model(cfg)
-        tp = mesh["tp"].size() if "tp" in names else 1
-        if tp > 1:
-            model = apply_tensor_parallel(model, mesh["tp"])
-        model = simple_fsdp(model, mesh, ep=ep)
-        runner = torch.compile(model, fullgraph=True, options=options)
-        dp_rank, dp_size = data_parallel_rank(tp)
+        model, runner, dp_rank, dp_size = T.wrapped_run(cfg, shape, names, ep, compile_options=options)
         losses = T.train(runner, T.batches(cfg), dp_rank=dp_rank, dp_size=dp_size)
         out[name] = losses, T.full_state(model)
     return out
@@ -383,160 +372,35 @@ reduce_scatter_tensor[dp_shard] avg float32
 wait reduce_scatter_tensor[dp_shard]""")
 
 
-@pytest.mark.slow
-def test_a2a_overlap_moe_layer_fsdp2_tp2_ep2(tc):
-    """With TP the combined rows are all-gathered over tp after the combine; the shared experts'
-    last matmul still runs under the combine all-to-all."""
-    from tests.moe.test_moe_graphs import _moe_layer_graphs
-
-    forward, backward = _moe_layer_graphs((4, 2), ("dp_shard", "tp"), 2, passes=[AllToAllOverlap()], waits=True)
-    tc.assertExpectedInline(forward, """\
-all_gather_into_tensor[dp_shard] float32
-wait all_gather_into_tensor[dp_shard]
-mm float32
-all_to_all_single[ep] int32
-wait all_to_all_single[ep]
-wait ?
-all_to_all_single[ep] float32
-all_gather_into_tensor[dp_shard] float32
-wait all_gather_into_tensor[dp_shard]
-all_gather_into_tensor[dp_shard] float32
-wait all_gather_into_tensor[dp_shard]
-all_gather_into_tensor[dp_shard] float32
-wait all_gather_into_tensor[dp_shard]
-bmm float32
-bmm float32
-wait all_to_all_single[ep]
-all_gather_into_tensor[edp] float32
-wait all_gather_into_tensor[edp]
-all_gather_into_tensor[edp] float32
-wait all_gather_into_tensor[edp]
-all_gather_into_tensor[edp] float32
-wait all_gather_into_tensor[edp]
-bmm float32
-bmm float32
-bmm float32
-all_to_all_single[ep] float32
-bmm float32
-wait all_to_all_single[ep]
-all_gather_into_tensor[tp] float32
-wait all_gather_into_tensor[tp]""")
-    tc.assertExpectedInline(backward, """\
-all_to_all_single[ep] float32
-bmm float32
-bmm float32
-wait all_to_all_single[ep]
-bmm float32
-bmm float32
-bmm float32
-reduce_scatter_tensor[edp] sum float32
-wait reduce_scatter_tensor[edp]
-reduce_scatter_tensor[edp] sum float32
-wait reduce_scatter_tensor[edp]
-reduce_scatter_tensor[edp] sum float32
-wait reduce_scatter_tensor[edp]
-all_to_all_single[ep] float32
-bmm float32
-reduce_scatter_tensor[dp_shard] avg float32
-wait reduce_scatter_tensor[dp_shard]
-reduce_scatter_tensor[dp_shard] avg float32
-wait reduce_scatter_tensor[dp_shard]
-reduce_scatter_tensor[dp_shard] avg float32
-wait reduce_scatter_tensor[dp_shard]
-wait all_to_all_single[ep]
-all_gather_into_tensor[tp] float32
-wait all_gather_into_tensor[tp]
-mm float32
-all_gather_into_tensor[dp_shard] float32
-wait all_gather_into_tensor[dp_shard]
-addmm float32
-reduce_scatter_tensor[dp_shard] avg float32
-wait reduce_scatter_tensor[dp_shard]""")
+def _a2a_windows(lines: list[str]) -> list[list[str]]:
+    """For each float all-to-all (dispatch or combine, or their gradients), the lines between it
+    and its wait."""
+    windows = []
+    for i, line in enumerate(lines):
+        if line.startswith("all_to_all_single") and line.endswith("float32"):
+            name = line.split()[0]
+            end = lines.index(f"wait {name}", i + 1)
+            windows.append(lines[i + 1 : end])
+    return windows
 
 
 @pytest.mark.slow
-def test_a2a_overlap_moe_layer_hsdp2x2_tp2_ep2(tc):
+@pytest.mark.parametrize(
+    "shape,names", [((4, 2), ("dp_shard", "tp")), ((2, 2, 2), ("dp_replicate", "dp_shard", "tp"))], ids=["fsdp", "hsdp"]
+)
+def test_a2a_overlap_moe_layer_with_tp(fake_world, shape, names):
+    """With TP the combined rows are all-gathered over tp after the combine; a shared-expert
+    matmul still runs under every float all-to-all, forward and backward."""
     from tests.moe.test_moe_graphs import _moe_layer_graphs
 
-    forward, backward = _moe_layer_graphs(
-        (2, 2, 2), ("dp_replicate", "dp_shard", "tp"), 2, passes=[AllToAllOverlap()], waits=True
-    )
-    tc.assertExpectedInline(forward, """\
-all_gather_into_tensor[dp_shard] float32
-wait all_gather_into_tensor[dp_shard]
-mm float32
-all_to_all_single[ep] int32
-wait all_to_all_single[ep]
-wait ?
-all_to_all_single[ep] float32
-all_gather_into_tensor[dp_shard] float32
-wait all_gather_into_tensor[dp_shard]
-all_gather_into_tensor[dp_shard] float32
-wait all_gather_into_tensor[dp_shard]
-all_gather_into_tensor[dp_shard] float32
-wait all_gather_into_tensor[dp_shard]
-bmm float32
-bmm float32
-wait all_to_all_single[ep]
-all_gather_into_tensor[edp] float32
-wait all_gather_into_tensor[edp]
-all_gather_into_tensor[edp] float32
-wait all_gather_into_tensor[edp]
-all_gather_into_tensor[edp] float32
-wait all_gather_into_tensor[edp]
-bmm float32
-bmm float32
-bmm float32
-all_to_all_single[ep] float32
-bmm float32
-wait all_to_all_single[ep]
-all_gather_into_tensor[tp] float32
-wait all_gather_into_tensor[tp]""")
-    tc.assertExpectedInline(backward, """\
-all_to_all_single[ep] float32
-bmm float32
-bmm float32
-wait all_to_all_single[ep]
-bmm float32
-bmm float32
-bmm float32
-reduce_scatter_tensor[edp] sum float32
-wait reduce_scatter_tensor[edp]
-reduce_scatter_tensor[edp] sum float32
-wait reduce_scatter_tensor[edp]
-reduce_scatter_tensor[edp] sum float32
-wait reduce_scatter_tensor[edp]
-all_to_all_single[ep] float32
-bmm float32
-reduce_scatter_tensor[dp_shard] avg float32
-wait reduce_scatter_tensor[dp_shard]
-all_reduce[dp_replicate] avg float32
-wait all_reduce[dp_replicate]
-reduce_scatter_tensor[dp_shard] avg float32
-wait reduce_scatter_tensor[dp_shard]
-all_reduce[dp_replicate] avg float32
-wait all_reduce[dp_replicate]
-reduce_scatter_tensor[dp_shard] avg float32
-wait reduce_scatter_tensor[dp_shard]
-all_reduce[dp_replicate] avg float32
-wait all_reduce[dp_replicate]
-all_reduce[dp_replicate] sum float32
-wait all_reduce[dp_replicate]
-all_reduce[dp_replicate] sum float32
-wait all_reduce[dp_replicate]
-all_reduce[dp_replicate] sum float32
-wait all_reduce[dp_replicate]
-wait all_to_all_single[ep]
-all_gather_into_tensor[tp] float32
-wait all_gather_into_tensor[tp]
-mm float32
-all_gather_into_tensor[dp_shard] float32
-wait all_gather_into_tensor[dp_shard]
-addmm float32
-reduce_scatter_tensor[dp_shard] avg float32
-wait reduce_scatter_tensor[dp_shard]
-all_reduce[dp_replicate] avg float32
-wait all_reduce[dp_replicate]""")
+    graphs = _moe_layer_graphs(shape, names, 2, passes=[AllToAllOverlap()], waits=True)
+    for graph in graphs:
+        windows = _a2a_windows(graph.splitlines())
+        assert len(windows) == 2, graph
+        assert all(any(line.split()[0] in ("mm", "bmm") for line in w) for w in windows), graph
+    forward = graphs[0].splitlines()
+    combine_wait = max(i for i, line in enumerate(forward) if line == "wait all_to_all_single[ep]")
+    assert forward[combine_wait + 1 :] == ["all_gather_into_tensor[tp] float32", "wait all_gather_into_tensor[tp]"]
 
 
 def test_trace_records_the_pass_plans(fake_world, tmp_path):
