@@ -1,13 +1,10 @@
 """Gloo guard: on gloo process groups, at most one functional collective in flight at a time.
 
 On torch 2.13 (CPU, gloo), two or more ``_c10d_functional`` collectives in flight at once corrupt
-the heap now and then ("malloc(): unaligned tcache chunk detected", a segfault, or a peer's
-"Connection reset by peer"). It needs no compiler to show: on 2 gloo ranks, issuing 2 (or 3, 4,
-10) ``torch.ops._c10d_functional.all_gather_into_tensor`` calls before waiting on them, 3000
-times over, crashed 2 of 4 runs at 2 in flight and most runs at 3 or more; 1 in flight never
-crashed, nor did the same gathers through ``dist.all_gather_into_tensor(async_op=True)``. Our
-prefetch pass puts a block's gathers in flight together, so without this guard compiled runs on
-CPU ranks crashed in about one launch in eight (and in 5 of 8 long runs).
+the heap now and then (a malloc abort, a segfault, or a peer's "Connection reset by peer"); one in
+flight never does, nor do the same gathers through the c10d async API.
+``benchmarks/gloo_inflight_repro.py`` reproduces it without a compiler, and its results file
+holds the crash counts.
 
 So this pass runs last, on every graph, and only touches collectives on gloo groups (the fake
 group of the graph tests, and NCCL, are left alone). Walking the graph in order, each gloo
@@ -20,9 +17,8 @@ Before, after::
     ag0 = all_gather(w0); wait(ag0); ag1 = all_gather(w1); mm(x, ...); wait(ag1)
 
 Only waits move, never a collective, so the result is the same to the bit. With one collective
-in flight, prefetching gains nothing on gloo, and :mod:`.fsdp_prefetch` leaves gloo graphs alone:
-long compiled runs with the guard crashed once in 8 with prefetch on, never in 8 with it off
-(300 steps on 2 ranks each). The crash is torch's; this only keeps CPU runs clear of it.
+in flight, prefetching gains nothing on gloo, so :mod:`.fsdp_prefetch` and :mod:`.a2a_overlap`
+leave gloo graphs alone. The crash is torch's; this only keeps CPU runs clear of it.
 """
 
 from __future__ import annotations

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
@@ -160,28 +161,39 @@ def _routed_experts(model: nn.Module, layout: DataParallelLayout, ep: int) -> di
     return found
 
 
-def _tp_gather(param: DTensor, layout: DataParallelLayout, dtypes) -> ParamGather:
+@dataclass(frozen=True)
+class _GatherSettings:
+    """What every parameter's gather shares: the mixed-precision dtypes and resharding."""
+
+    param_dtype: torch.dtype | None
+    reduce_dtype: torch.dtype | None
+    reshard_after_forward: bool
+
+    def gather(self, steps, **kwargs) -> ParamGather:
+        return param_gather(steps, self.param_dtype, self.reduce_dtype, self.reshard_after_forward, **kwargs)
+
+
+def _tp_gather(param: DTensor, layout: DataParallelLayout, settings: _GatherSettings) -> ParamGather:
     """Gather over the dp dims only and hand compute a DTensor on the tp mesh."""
     tp_placement = param.placements[0]
     kept = ((tp_placement.dim, layout.tp_mesh.size()),) if isinstance(tp_placement, Shard) else ()
-    return param_gather(layout.gather_steps, *dtypes, kept_split=kept, tp=(layout.tp_mesh, param.placements))
+    return settings.gather(layout.gather_steps, kept_split=kept, tp=(layout.tp_mesh, param.placements))
 
 
-def _plan_parameter(param, expert_fsdp_dim: int | None, layout: DataParallelLayout, dtypes, device):
+def _plan_parameter(param, expert_fsdp_dim: int | None, layout: DataParallelLayout, settings: _GatherSettings, device):
     """How ``param`` is gathered for compute, and the function that shards it for storage."""
     if expert_fsdp_dim is not None:
         experts = layout.experts
-        gather = param_gather(
+        gather = settings.gather(
             layout.experts_gather_steps(expert_fsdp_dim),
-            *dtypes,
             kept_split=((0, experts.ep),),
             reduce_op="sum",
             grad_divisor=float(layout.dp_degree),
         )
         return gather, lambda p: sharding.shard_experts(p, experts, expert_fsdp_dim, device)
     if isinstance(param, DTensor):
-        return _tp_gather(param, layout, dtypes), lambda p: sharding.shard_tp(p, layout)
-    return param_gather(layout.gather_steps, *dtypes), lambda p: sharding.shard_dense(p, layout, device)
+        return _tp_gather(param, layout, settings), lambda p: sharding.shard_tp(p, layout)
+    return settings.gather(layout.gather_steps), lambda p: sharding.shard_dense(p, layout, device)
 
 
 def _install_root_hooks(
@@ -259,12 +271,12 @@ def simple_fsdp(
     device = _mesh_device(layout)
 
     # plan: how each parameter is gathered and stored (tied parameters once)
-    dtypes = (mp_policy.param_dtype, mp_policy.reduce_dtype, reshard_after_forward)
+    settings = _GatherSettings(mp_policy.param_dtype, mp_policy.reduce_dtype, reshard_after_forward)
     plans = []
     for module in model.modules():
         names = tuple(n for n, p in module._parameters.items() if p is not None)
         if names:
-            plan = {n: _plan_parameter(module._parameters[n], routed.get(module), layout, dtypes, device) for n in names}
+            plan = {n: _plan_parameter(module._parameters[n], routed.get(module), layout, settings, device) for n in names}
             plans.append((module, names, plan))
 
     # apply
