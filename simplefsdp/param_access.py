@@ -8,7 +8,9 @@ forward of the model it reads as the gathered tensor that compute needs.
 Each wrapped module's class is swapped for a generated subclass with one property per parameter
 name; the property asks the model's :class:`ForwardState` whether a forward is running. Forward
 hooks on the root and on every parameter-owning module keep that count, so a block re-run by
-eager activation checkpointing during backward, or called on its own, gathers too.
+eager activation checkpointing during backward, or called on its own, gathers too. Checkpointing
+may stop such a re-run early by raising out of it; what it opened is closed when the backward
+ends (an autograd engine callback, as FSDP2's post-backward uses).
 
 Eagerly, a forward gathers each parameter once, however often it is read (tied weights, a loop
 over experts), and frees it when the module that read it returns: ranks that read a weight a
@@ -31,6 +33,7 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn as nn
+from torch.autograd import Variable
 
 from simplefsdp.param_gather import ParamGather
 
@@ -52,9 +55,21 @@ class ForwardState:
     frames: list[list[int]] = field(default_factory=list)
     gathered: dict[int, torch.Tensor] = field(default_factory=dict)
     root_depths: list[int] = field(default_factory=list)  # len(frames) when each root forward began
+    backward_depth: int | None = None  # len(frames) when a backward first re-ran a forward
 
     def enter(self) -> None:
+        if self.backward_depth is None and torch._C._current_graph_task_id() != -1:
+            # a forward re-run by activation checkpointing inside backward: checkpointing stops a
+            # recompute early by raising out of it, so its frames may never close; close them
+            # when the backward ends
+            self.backward_depth = len(self.frames)
+            Variable._execution_engine.queue_callback(self._end_of_backward)
         self.frames.append([])
+
+    def _end_of_backward(self) -> None:
+        depth, self.backward_depth = self.backward_depth, None
+        while len(self.frames) > depth:
+            self.exit()
 
     def exit(self) -> None:
         for key in self.frames.pop():

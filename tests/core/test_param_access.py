@@ -94,3 +94,28 @@ def test_gathered_needs_a_wrapped_model(fake_world):
     with pytest.raises(ValueError, match="needs a model wrapped by simple_fsdp"):
         with gathered(nn.Linear(2, 2)):
             pass
+
+
+def test_eager_checkpointing_leaves_nothing_gathered_after_backward(fake_world):
+    """Checkpointing stops a recompute early by raising out of the block's last module; what that
+    re-run gathered is released when backward ends, and the next step gathers fresh values."""
+    from simplefsdp.activation_checkpoint import apply_activation_checkpointing
+    from simplefsdp.param_access import WRAPPED_ATTR
+
+    class Blocks(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = nn.ModuleList([nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8)) for _ in range(2)])
+
+        def forward(self, x):
+            for layer in self.layers:
+                x = layer(x)
+            return x
+
+    model = simple_fsdp(apply_activation_checkpointing(Blocks(), "full"), _mesh())
+    state = getattr(model.layers[0]._checkpoint_wrapped_module[0], WRAPPED_ATTR).state
+    for _ in range(2):
+        model(torch.randn(4, 8)).sum().backward()
+        assert state.frames == [] and state.gathered == {}
+        last = model.layers[1]._checkpoint_wrapped_module[2]
+        assert last.weight is last._parameters["weight"]
