@@ -134,3 +134,14 @@ def test_tp_plan_that_tp_does_not_divide(fake_world):
     model = nn.Sequential(nn.Linear(4, 5), nn.Linear(5, 4))
     parallelize_module(model, mesh["tp"], {"0": ColwiseParallel()})
     _expect_error(r"parameter '0.weight': tp=2 does not divide dim 0 of shape \(5, 4\)", model=model, mesh=mesh)
+
+
+def test_global_state_changes_only_as_documented(fake_world):
+    """ep=1 leaves Dynamo's config alone; ep>1 turns on capture_scalar_outputs (README: Global state)."""
+    from simplefsdp.models.moe import MOE_CONFIGS, moe_transformer
+
+    with torch._dynamo.config.patch(capture_scalar_outputs=False):
+        simple_fsdp(moe_transformer(MOE_CONFIGS["debug"]), _mesh())
+        assert torch._dynamo.config.capture_scalar_outputs is False
+        simple_fsdp(moe_transformer(MOE_CONFIGS["debug"]), _mesh(), ep=2)
+        assert torch._dynamo.config.capture_scalar_outputs is True
