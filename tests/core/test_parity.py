@@ -127,7 +127,10 @@ def test_eager_matches_fsdp2_bitwise(world, mode):
 
 
 @pytest.mark.parametrize(
-    "world, mode", [(2, m) for m in MODES + ("fully_shard/keep",)] + [(4, m) for m in MODES]
+    "world, mode",
+    [(2, m) for m in MODES + ("fully_shard/keep",)]
+    # the 4-rank compiled launch (100 s on 2 cores) runs with -m slow
+    + [pytest.param(4, m, marks=pytest.mark.slow) for m in MODES],
 )
 def test_compiled_matches_single_process(world, mode, reference):
     losses, state = _launch(world, compiled=True)[mode]

@@ -143,6 +143,7 @@ def _rank_pids(pid: int) -> list[int]:
     return pids
 
 
+@pytest.mark.slow
 def test_killed_run_resumes_with_the_same_losses(tmp_path):
     """SIGKILL one rank after the first checkpoint; --resume continues from the last complete
     checkpoint and every step's loss equals the uninterrupted run's, bit for bit (eager FSDP4 x EP2)."""
