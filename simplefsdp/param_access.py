@@ -97,10 +97,10 @@ class ForwardState:
 
 @dataclass(frozen=True)
 class WrappedParams:
-    """What a wrapped module needs to read its parameters: the model's state, and per name the
-    gather, a key shared by tied parameters, and whether the parameter is tied."""
+    """What a wrapped module needs to read its parameters, per name: the gather, a key shared by
+    tied parameters, and whether the parameter is tied. (The model's :class:`ForwardState` is the
+    one its forward hooks count in, under ``STATE_ATTR``.)"""
 
-    state: ForwardState
     gathers: dict[str, ParamGather]
     keys: dict[str, int]
     tied: dict[str, bool]
@@ -112,13 +112,14 @@ def _gathered_property(name: str) -> property:
         param = module._parameters[name]
         if torch.compiler.is_compiling():
             return wrapped.gathers[name](param)
-        return wrapped.state.read(param, wrapped.keys[name], wrapped.tied[name], wrapped.gathers[name])
+        state = getattr(module, STATE_ATTR)
+        return state.read(param, wrapped.keys[name], wrapped.tied[name], wrapped.gathers[name])
 
     return property(read)
 
 
-def attach(module: nn.Module, wrapped: WrappedParams) -> None:
-    """Make ``module``'s parameters read through ``wrapped`` (class swap) and count its forwards."""
+def attach(module: nn.Module, wrapped: WrappedParams, state: ForwardState) -> None:
+    """Make ``module``'s parameters read through ``wrapped`` (class swap) and count its forwards in ``state``."""
     names = tuple(wrapped.gathers)
     key = (type(module), names)
     cls = _SWAPPED_CLASSES.get(key)
@@ -128,7 +129,7 @@ def attach(module: nn.Module, wrapped: WrappedParams) -> None:
         _SWAPPED_CLASSES[key] = cls
     setattr(module, WRAPPED_ATTR, wrapped)
     module.__class__ = cls
-    count_forwards(module, wrapped.state)
+    count_forwards(module, state)
 
 
 def count_forwards(module: nn.Module, state: ForwardState, *, root: bool = False) -> None:
@@ -137,7 +138,8 @@ def count_forwards(module: nn.Module, state: ForwardState, *, root: bool = False
     The hooks are the same two functions on every module (they find the state on the module), so
     torch.compile sees identical hooks on every block and compiles a block once. Only the root's
     exit hook runs when forward raises (an always-called hook on every module would make each
-    block's guards differ); it resets the state, so a failed forward leaves nothing gathered.
+    block's guards differ); it closes what inner forwards left open, so a failed forward leaves
+    nothing gathered.
     """
     setattr(module, STATE_ATTR, state)
     module.register_forward_pre_hook(_enter_root_forward if root else _enter_forward)
@@ -178,7 +180,7 @@ def gathered(model: nn.Module):
     modules = [m for m in model.modules() if is_wrapped(m)]
     if not modules:
         raise ValueError("gathered() needs a model wrapped by simple_fsdp")
-    state = getattr(modules[0], WRAPPED_ATTR).state
+    state = getattr(modules[0], STATE_ATTR)
     if state.frames:
         raise ValueError("gathered() is for use outside forward; inside it, parameters are already gathered")
     state.enter()

@@ -291,7 +291,6 @@ def simple_fsdp(
             experts = layout.experts
             module.expert_parallel = TokenDispatcher(experts.ep_mesh, module.num_experts, experts.tp_mesh)
         wrapped = WrappedParams(
-            state,
             gathers={n: plan[n][0] for n in names},
             keys={n: keys[id(module._parameters[n])] for n in names},
             tied={n: owners[id(module._parameters[n])] > 1 for n in names},
@@ -301,7 +300,7 @@ def simple_fsdp(
             if id(param) not in sharded:
                 sharded[id(param)] = plan[name][1](param)
             module._parameters[name] = sharded[id(param)]
-        attach(module, wrapped)
+        attach(module, wrapped, state)
     if routed:  # dispatch split sizes become unbacked symbolic sizes, not graph breaks
         torch._dynamo.config.capture_scalar_outputs = True
     for module in model.modules():  # buffers follow the parameters to the mesh's device

@@ -100,7 +100,7 @@ def test_eager_checkpointing_leaves_nothing_gathered_after_backward(fake_world):
     """Checkpointing stops a recompute early by raising out of the block's last module; what that
     re-run gathered is released when backward ends, and the next step gathers fresh values."""
     from simplefsdp.activation_checkpoint import apply_activation_checkpointing
-    from simplefsdp.param_access import WRAPPED_ATTR
+    from simplefsdp.param_access import STATE_ATTR
 
     class Blocks(nn.Module):
         def __init__(self):
@@ -113,7 +113,7 @@ def test_eager_checkpointing_leaves_nothing_gathered_after_backward(fake_world):
             return x
 
     model = simple_fsdp(apply_activation_checkpointing(Blocks(), "full"), _mesh())
-    state = getattr(model.layers[0]._checkpoint_wrapped_module[0], WRAPPED_ATTR).state
+    state = getattr(model.layers[0]._checkpoint_wrapped_module[0], STATE_ATTR)
     for _ in range(2):
         model(torch.randn(4, 8)).sum().backward()
         assert state.frames == [] and state.gathered == {}
