@@ -56,6 +56,13 @@ class SimpleFSDPPasses(_InferenceAware or CustomGraphPass):
 
     Ours run only on graphs with a collective on a process group of a model that ``simple_fsdp``
     wrapped (:func:`install` registers them): graphs of other models get the user's passes alone.
+
+    The uuid, part of Inductor's and AOTAutograd's cache keys, also names this rank's registered
+    process groups. Ranks in different sub-mesh groups (rank 0 in the ep group "1" = {0, 1}, rank 2
+    in "2" = {2, 3}) trace the same graph but compile it against different group names, so with a
+    shared cache dir (torchrun, a user's script) a key without them lets one rank load another's
+    artifact, which then fails: "Could not resolve the process group registered under the name 1".
+    c10d names a group the same way on every rank (a creation counter, or a hash of its ranks).
     """
 
     def __init__(
@@ -105,7 +112,7 @@ class SimpleFSDPPasses(_InferenceAware or CustomGraphPass):
             if users[-1] is None:  # the user's pass opts out of caching: so does the chain
                 return None
         parts = [p.uuid() for p in self.passes]
-        return get_hash_for_files((__file__,), extra=repr((parts, users)))
+        return get_hash_for_files((__file__,), extra=repr((parts, users, sorted(_GROUPS))))
 
 
 def _attach() -> None:

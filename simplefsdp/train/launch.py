@@ -11,9 +11,10 @@ Each rank's stderr (fd 2, so also native-code messages such as an abort's) goes 
 the parent copies to its own stderr as it grows, each line prefixed with ``[rank N]``; a rank that
 dies shows the end of its log in the error, and ``faulthandler`` adds its Python stacks.
 
-Each rank compiles into its own Inductor cache dir, ``rank{N}`` under ``TORCHINDUCTOR_CACHE_DIR``
-or a fresh temporary dir (torch 2.13 can load another sub-mesh group's artifacts from a shared
-one), and uses one thread, since the CI machine has two cores.
+The ranks share one Inductor cache dir, ``TORCHINDUCTOR_CACHE_DIR`` or else a fresh temporary
+dir (the passes' cache key names each rank's process groups, so ranks of different sub-mesh
+groups never load each other's artifacts), and use one thread each, since the CI machine has two
+cores.
 """
 
 from __future__ import annotations
@@ -49,8 +50,7 @@ def _rank_main(rank, world_size, port, run_dir, results, fn, args):
         WORLD_SIZE=str(world_size),
         TORCHINDUCTOR_COMPILE_THREADS="1",
     )
-    base = os.environ.get("TORCHINDUCTOR_CACHE_DIR", run_dir)
-    os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(base, f"rank{rank}")
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", run_dir)
     try:
         import torch
         import torch.distributed as dist

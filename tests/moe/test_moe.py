@@ -16,6 +16,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from simplefsdp import simple_fsdp
 from simplefsdp.models.moe import MoEConfig
+from simplefsdp.train.launch import run_ranks
 from tests import training as T
 from tests.graphs import captured_graphs
 
@@ -164,6 +165,25 @@ def test_moe_layer_graph_uses_each_mesh():
     assert sums == ["reduce_scatter_tensor[edp] sum float32"] * 3
     # the counts exchange runs once, in forward; backward only moves gradients of token rows
     assert [line for line in backward if line.startswith("all_to_all")] == ["all_to_all_single[ep] float32"] * 2
+
+
+def _compiled_ep_losses():
+    model, runner, dp_rank, dp_size = T.wrapped_run(MOE, (4,), ("dp_shard",), 2, compiled=True)
+    return T.train(runner, T.batches(MOE)[:3], dp_rank=dp_rank, dp_size=dp_size)
+
+
+@pytest.mark.slow
+def test_ep_layout_runs_twice_from_one_shared_cache_dir(tmp_path, monkeypatch):
+    """Ranks of different ep groups (ranks 0 and 2: groups {0, 1} and {2, 3}) share one cache dir.
+
+    The second launch reads what the first wrote; no rank may load another group's artifacts
+    ("Could not resolve the process group registered under the name N" on torch 2.13).
+    """
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    first = run_ranks(_compiled_ep_losses, 4)
+    assert any(tmp_path.iterdir())  # the ranks compiled into the shared dir
+    second = run_ranks(_compiled_ep_losses, 4)
+    assert first == second and all(losses == first[0] for losses in first)
 
 
 def _expect_error(match, mesh_shape=(8,), names=("dp_shard",), ep=2, cfg=MOE):

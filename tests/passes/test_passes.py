@@ -126,6 +126,15 @@ def test_the_chain_keeps_the_users_pass_in_every_form():
         assert aware.calls == 1 and aware.is_inference is True
 
 
+def test_the_cache_key_names_this_ranks_process_groups(monkeypatch):
+    """Rank 0 (ep group "1") and rank 2 (ep group "2") of one layout must not share compiled artifacts."""
+    keys = {}
+    for rank, groups in ((0, {"0", "1", "3"}), (2, {"0", "2", "3"}), (4, {"0", "1", "3"})):
+        monkeypatch.setattr(passes, "_GROUPS", groups)
+        keys[rank] = passes.SimpleFSDPPasses().uuid()
+    assert keys[0] != keys[2] and keys[0] == keys[4]
+
+
 def test_passes_touch_only_wrapped_models_and_keep_a_pass_set_later(fake_world):
     """Compiles of other models run the user's pass alone; a pass set after simple_fsdp joins the chain."""
     torch._dynamo.reset()
