@@ -20,7 +20,11 @@ cache changed inside a checkpointed region's trace is a side effect Dynamo refus
 read twice in one compiled forward is therefore gathered twice (tied weights).
 
 :func:`gathered` gives full parameters outside forward (export, evaluation): it gathers every
-parameter once, in the same order on every rank, on entry, and frees them on exit.
+parameter once, in the same order on every rank, on entry, and frees them on exit. With
+``writeback=True`` (FSDP1's ``summon_full_params(writeback=True)``) in-place edits of the full
+tensors are copied into each rank's shard on exit: run the model's own initialization on full
+tensors, with the same seed on every rank, and the shards hold what initializing before wrapping
+gives, on any device.
 
 One subclass is generated per (original class, parameter names) and reused by every instance, so
 all layers of a model share one class and torch.compile compiles a block once.
@@ -29,11 +33,13 @@ all layers of a model share one class and torch.compile compiles a block once.
 from __future__ import annotations
 
 import contextlib
+import functools
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn as nn
 from torch.autograd import Variable
+from torch.distributed.tensor import DTensor
 
 from simplefsdp.param_gather import ParamGather
 
@@ -97,11 +103,13 @@ class ForwardState:
 
 @dataclass(frozen=True)
 class WrappedParams:
-    """What a wrapped module needs to read its parameters, per name: the gather, a key shared by
+    """What a wrapped module needs to read its parameters, per name: the gather, how the
+    parameter is sharded (``.part(full)``: this rank's part of a full tensor), a key shared by
     tied parameters, and whether the parameter is tied. (The model's :class:`ForwardState` is the
     one its forward hooks count in, under ``STATE_ATTR``.)"""
 
     gathers: dict[str, ParamGather]
+    shardings: dict[str, object]
     keys: dict[str, int]
     tied: dict[str, bool]
 
@@ -171,12 +179,21 @@ def is_wrapped(module: nn.Module) -> bool:
 
 
 @contextlib.contextmanager
-def gathered(model: nn.Module):
+def gathered(model: nn.Module, *, writeback: bool = False):
     """Full parameters outside forward: ``with gathered(model): model.weight`` is the gathered tensor.
 
     Every rank must enter it (it gathers each parameter once, in ``model.modules()`` order). The
-    gathered tensors are freed on exit.
+    gathered tensors are freed on exit. Without ``writeback`` they are what compute reads in a
+    forward: in ``param_dtype``, routed experts of this ep rank only, tensor-parallel parameters
+    as DTensors on the tp mesh.
+
+    ``writeback=True`` gives each parameter whole (all experts, no tp split) in its stored dtype,
+    without autograd, and, when the block exits without an error, copies each rank's part of every
+    tensor back into its shard: run the model's own initialization inside it, with the same seed
+    on every rank, and the shards hold what initializing before wrapping gives.
     """
+    if not isinstance(writeback, bool):
+        raise ValueError(f"writeback must be True or False; got {writeback!r}")
     modules = [m for m in model.modules() if is_wrapped(m)]
     if not modules:
         raise ValueError("gathered() needs a model wrapped by simple_fsdp")
@@ -185,9 +202,29 @@ def gathered(model: nn.Module):
         raise ValueError("gathered() is for use outside forward; inside it, parameters are already gathered")
     state.enter()
     try:
+        full = {}  # parameter -> (its sharding, the full tensor)
         for module in modules:
-            for name in getattr(module, WRAPPED_ATTR).gathers:
-                getattr(module, name)
+            wrapped = getattr(module, WRAPPED_ATTR)
+            for name, gather in wrapped.gathers.items():
+                param = module._parameters[name]
+                sharding = wrapped.shardings[name]
+                if writeback:
+                    gather = functools.partial(_full_tensor, sharding)
+                full[param] = sharding, state.read(param, wrapped.keys[name], wrapped.tied[name], gather)
         yield model
+        if writeback:
+            _write_back(full)
     finally:
         state.exit()
+
+
+@torch.no_grad()
+def _full_tensor(sharding, param: DTensor) -> torch.Tensor:
+    return sharding.full(param.to_local(), param.shape)
+
+
+@torch.no_grad()
+def _write_back(full) -> None:
+    """Copy this rank's part of each full tensor into its shard."""
+    for param, (sharding, tensor) in full.items():
+        param.to_local().copy_(sharding.part(tensor))

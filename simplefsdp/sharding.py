@@ -6,13 +6,14 @@ with the same chunk arithmetic as DTensor's ``Shard`` (``torch.chunk``: shards o
 the mesh's device. So a shard owns exactly its bytes (a view would keep the whole source tensor
 alive) and the full parameter is never put on the device.
 
-Three kinds of parameter are stored:
+Three kinds of parameter are stored, each by its sharding (``store`` makes the parameter;
+``part`` cuts this rank's part of a full tensor, which ``gathered(writeback=True)`` also uses):
 
-* dense parameters: ``Shard(0)`` over ``dp_shard``, ``Replicate`` over ``dp_replicate``;
-* tensor-parallel DTensors: the tp-local tensor sharded again over the dp dims, re-homed on the
-  whole mesh (a strided shard when tp already splits dim 0);
-* routed experts: split over ``ep`` by expert, then FSDP-sharded over ``edp`` on dim 0 (a strided
-  shard of the full tensor) or dim 1.
+* :class:`DenseSharding`: ``Shard(0)`` over ``dp_shard``, ``Replicate`` over ``dp_replicate``;
+* :class:`TensorParallelSharding`: the tp-local tensor sharded again over the dp dims, re-homed
+  on the whole mesh (a strided shard when tp already splits dim 0);
+* :class:`ExpertSharding`: routed experts split over ``ep`` by expert, then FSDP-sharded over
+  ``edp`` on dim 0 (a strided shard of the full tensor) or dim 1.
 
 Replicas must start equal, as DDP and FSDP2 make them: each shard is broadcast from the first
 rank of every mesh dim it is replicated over as it is stored (one broadcast per parameter and
@@ -21,11 +22,13 @@ replicate dim, in the model's parameter order on every rank).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from simplefsdp.mesh_layout import DataParallelLayout, ExpertLayout
@@ -69,31 +72,78 @@ def _sync_replicas(local: torch.Tensor, mesh: DeviceMesh, placements) -> None:
             dist.broadcast(local, group=mesh.get_group(dim), group_src=0)
 
 
-def shard_dense(param: torch.Tensor, layout: DataParallelLayout, device: torch.device) -> nn.Parameter:
+class _Sharding:
+    """How a full parameter is cut into this rank's part: ``cuts()``, (1-D mesh, dim) in order."""
+
+    def cuts(self) -> list[tuple[DeviceMesh, int]]:
+        raise NotImplementedError
+
+    def part(self, full: torch.Tensor) -> torch.Tensor:
+        """This rank's part of the full parameter (a view)."""
+        for mesh, dim in self.cuts():
+            full = local_chunk(full, dim, mesh)
+        return full
+
+    def full(self, part: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+        """The whole ``shape``-d parameter from every rank's ``part`` (all-gathers, last cut first).
+
+        Built on the caller's 1-D meshes: a DTensor parameter's own ``device_mesh`` may be an equal
+        mesh of earlier process groups (torch caches DTensor specs by mesh equality).
+        """
+        shapes = [torch.Size(shape)]
+        for mesh, dim in self.cuts():
+            size = list(shapes[-1])
+            size[dim] = chunk_bounds(size[dim], mesh.size(), mesh.get_local_rank())[1]
+            shapes.append(torch.Size(size))
+        for (mesh, dim), whole in zip(reversed(self.cuts()), reversed(shapes[:-1])):
+            stride = torch.empty(whole, device="meta").stride()
+            part = DTensor.from_local(part, mesh, (Shard(dim),), run_check=False, shape=whole, stride=stride)
+            part = part.full_tensor()
+        return part
+
+
+@dataclass(frozen=True)
+class DenseSharding(_Sharding):
     """A plain parameter stored on the dp mesh: ``Shard(0)`` on dp_shard, whole on dp_replicate."""
-    full = param.detach()
-    local = full
-    for mesh, placement in zip(layout.dim_meshes, layout.shard):
-        if isinstance(placement, Shard):
-            local = local_chunk(local, placement.dim, mesh)
-    return _parameter(_owned(local, device), layout.dp_mesh, layout.shard, full, param.requires_grad)
+
+    layout: DataParallelLayout
+    device: torch.device
+
+    def cuts(self):
+        return [(m, p.dim) for m, p in zip(self.layout.dim_meshes, self.layout.shard) if isinstance(p, Shard)]
+
+    def store(self, param: torch.Tensor) -> nn.Parameter:
+        local = _owned(self.part(param.detach()), self.device)
+        return _parameter(local, self.layout.dp_mesh, self.layout.shard, param, param.requires_grad)
 
 
-def shard_tp(param: DTensor, layout: DataParallelLayout) -> nn.Parameter:
+@dataclass(frozen=True)
+class TensorParallelSharding(_Sharding):
     """A TP DTensor re-homed on ``[dp..., tp]``: dp shards dim 0 of the tp-local tensor.
 
     When tp already shards dim 0, dp's shard of it is a strided shard of the full tensor.
     """
-    tp_placement = param.placements[0]
-    local = param.to_local().detach()
-    for mesh, placement in zip(layout.dim_meshes, layout.shard):
-        if isinstance(placement, Shard):
-            local = local_chunk(local, 0, mesh)
-    dp = tuple(
-        _StridedShard(0, split_factor=layout.tp_mesh.size()) if isinstance(p, Shard) and tp_placement.is_shard(0) else p
-        for p in layout.shard
-    )
-    return _parameter(_owned(local, local.device), layout.mesh, dp + (tp_placement,), param, param.requires_grad)
+
+    layout: DataParallelLayout
+    tp_placement: Placement
+
+    def cuts(self):
+        tp = [(self.layout.tp_mesh, self.tp_placement.dim)] if isinstance(self.tp_placement, Shard) else []
+        return tp + self._dp_cuts()
+
+    def _dp_cuts(self):
+        return [(m, 0) for m, p in zip(self.layout.dim_meshes, self.layout.shard) if isinstance(p, Shard)]
+
+    def store(self, param: DTensor) -> nn.Parameter:
+        local = param.to_local().detach()
+        for mesh, dim in self._dp_cuts():
+            local = local_chunk(local, dim, mesh)
+        split_dim0 = self.tp_placement.is_shard(0)
+        dp = tuple(
+            _StridedShard(0, split_factor=self.layout.tp_mesh.size()) if isinstance(p, Shard) and split_dim0 else p
+            for p in self.layout.shard
+        )
+        return _parameter(_owned(local, local.device), self.layout.mesh, dp + (self.tp_placement,), param, param.requires_grad)
 
 
 def local_experts(param: torch.Tensor, ep_mesh: DeviceMesh) -> torch.Tensor:
@@ -101,12 +151,20 @@ def local_experts(param: torch.Tensor, ep_mesh: DeviceMesh) -> torch.Tensor:
     return _owned(local_chunk(param.detach(), 0, ep_mesh), param.device)
 
 
-def shard_experts(
-    param: torch.Tensor, experts: ExpertLayout, fsdp_dim: int, device: torch.device
-) -> nn.Parameter:
+@dataclass(frozen=True)
+class ExpertSharding(_Sharding):
     """A routed-expert parameter on ``[dp_replicate,] edp, ep``: split over ep, then FSDP over edp."""
-    full = param.detach()
-    local = local_chunk(local_chunk(full, 0, experts.ep_mesh), fsdp_dim, experts.edp_mesh)
-    edp = _StridedShard(0, split_factor=experts.ep) if fsdp_dim == 0 else Shard(fsdp_dim)
-    placements = (Replicate(),) * (experts.mesh.ndim - 2) + (edp, Shard(0))
-    return _parameter(_owned(local, device), experts.mesh, placements, full, param.requires_grad)
+
+    experts: ExpertLayout
+    fsdp_dim: int
+    device: torch.device
+
+    def cuts(self):
+        return [(self.experts.ep_mesh, 0), (self.experts.edp_mesh, self.fsdp_dim)]
+
+    def store(self, param: torch.Tensor) -> nn.Parameter:
+        experts = self.experts
+        edp = _StridedShard(0, split_factor=experts.ep) if self.fsdp_dim == 0 else Shard(self.fsdp_dim)
+        placements = (Replicate(),) * (experts.mesh.ndim - 2) + (edp, Shard(0))
+        local = _owned(self.part(param.detach()), self.device)
+        return _parameter(local, experts.mesh, placements, param, param.requires_grad)

@@ -181,7 +181,7 @@ def _tp_gather(param: DTensor, layout: DataParallelLayout, settings: _GatherSett
 
 
 def _plan_parameter(param, expert_fsdp_dim: int | None, layout: DataParallelLayout, settings: _GatherSettings, device):
-    """How ``param`` is gathered for compute, and the function that shards it for storage."""
+    """How ``param`` is gathered for compute, and how it is sharded for storage."""
     if expert_fsdp_dim is not None:
         experts = layout.experts
         gather = settings.gather(
@@ -190,10 +190,10 @@ def _plan_parameter(param, expert_fsdp_dim: int | None, layout: DataParallelLayo
             reduce_op="sum",
             grad_divisor=float(layout.dp_degree),
         )
-        return gather, lambda p: sharding.shard_experts(p, experts, expert_fsdp_dim, device)
+        return gather, sharding.ExpertSharding(experts, expert_fsdp_dim, device)
     if isinstance(param, DTensor):
-        return _tp_gather(param, layout, settings), lambda p: sharding.shard_tp(p, layout)
-    return settings.gather(layout.gather_steps), lambda p: sharding.shard_dense(p, layout, device)
+        return _tp_gather(param, layout, settings), sharding.TensorParallelSharding(layout, param.placements[0])
+    return settings.gather(layout.gather_steps), sharding.DenseSharding(layout, device)
 
 
 def _install_root_hooks(
@@ -292,13 +292,14 @@ def simple_fsdp(
             module.expert_parallel = TokenDispatcher(experts.ep_mesh, module.num_experts, experts.tp_mesh)
         wrapped = WrappedParams(
             gathers={n: plan[n][0] for n in names},
+            shardings={n: plan[n][1] for n in names},
             keys={n: keys[id(module._parameters[n])] for n in names},
             tied={n: owners[id(module._parameters[n])] > 1 for n in names},
         )
         for name in names:
             param = module._parameters[name]
             if id(param) not in sharded:
-                sharded[id(param)] = plan[name][1](param)
+                sharded[id(param)] = plan[name][1].store(param)
             module._parameters[name] = sharded[id(param)]
         attach(module, wrapped, state)
     if routed:  # dispatch split sizes become unbacked symbolic sizes, not graph breaks

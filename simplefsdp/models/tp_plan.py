@@ -11,8 +11,12 @@ import torch.nn as nn
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 
-def apply_tensor_parallel(model: nn.Module, tp_mesh) -> nn.Module:
-    """Shard every block's attention and dense MLP over ``tp_mesh`` (in place; returns ``model``)."""
+def apply_tensor_parallel(model: nn.Module, tp_mesh, src_data_rank: int | None = 0) -> nn.Module:
+    """Shard every block's attention and dense MLP over ``tp_mesh`` (in place; returns ``model``).
+
+    ``src_data_rank``: as in ``parallelize_module``, the tp rank whose weights are scattered;
+    None when every rank already holds the same weights (each cuts its own slice, no collective).
+    """
     for block in model.layers:
         attn = block.attention
         for heads in (attn.n_heads, attn.n_kv_heads):
@@ -21,10 +25,12 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh) -> nn.Module:
         parallelize_module(
             attn, tp_mesh,
             {"wq": ColwiseParallel(), "wk": ColwiseParallel(), "wv": ColwiseParallel(), "wo": RowwiseParallel()},
+            src_data_rank=src_data_rank,
         )
         if all(hasattr(block.feed_forward, w) for w in ("w1", "w2", "w3")) and not hasattr(block.feed_forward, "router"):
             parallelize_module(
                 block.feed_forward, tp_mesh,
                 {"w1": ColwiseParallel(), "w3": ColwiseParallel(), "w2": RowwiseParallel()},
+                src_data_rank=src_data_rank,
             )
     return model

@@ -15,7 +15,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
-from simplefsdp import simple_fsdp
+from simplefsdp import gathered, simple_fsdp
 from simplefsdp.models.llama import cross_entropy_loss
 from simplefsdp.models.moe import MoEConfig
 from simplefsdp.train.data import rank_slice
@@ -73,10 +73,18 @@ def _body(group: str):
     for name in GROUPS[group]:
         cfg, shape, names, ep, compiled = RUNS[name]
         model, runner, dp_rank, dp_size = T.wrapped_run(CONFIGS[cfg], shape, names, ep, compiled=compiled)
+        if not compiled:
+            out[f"{name}/gathered"] = _gathered_in_full(model)
         out[name] = _first_grads_and_sgd(model, runner, CONFIGS[cfg], dp_rank, dp_size)
     if group == "eager":
         out["replica_sync"] = _replica_sync()
     return out
+
+
+def _gathered_in_full(model):
+    """Every parameter as ``gathered(model, writeback=True)`` gives it (whole: all experts, no tp split)."""
+    with gathered(model, writeback=True):
+        return {n: getattr(model.get_submodule(n.rpartition(".")[0]), n.rpartition(".")[2]).clone() for n, _ in model.named_parameters()}
 
 
 def _replica_sync():
@@ -128,6 +136,14 @@ def test_gradients_match_single_process(run, references):
     expected_norm = torch.nn.utils.get_total_norm(list(ref_grads.values())).item()
     assert norm == pytest.approx(expected_norm, rel=1e-6)
     assert T.max_abs_diff(state, ref_state) < PARAM_ATOL
+
+
+@pytest.mark.parametrize("run", [r for r in RUNS if not RUNS[r][4]])
+def test_gathered_with_writeback_gives_every_parameter_whole(run):
+    full = T.launch_once(_body, 4, "eager")[f"{run}/gathered"]
+    expected = {n: p.detach() for n, p in T.build_model(CONFIGS[RUNS[run][0]]).named_parameters()}
+    assert full.keys() == expected.keys()
+    assert [n for n in full if not torch.equal(full[n], expected[n])] == []
 
 
 def test_replicas_start_equal_whatever_each_rank_built():
