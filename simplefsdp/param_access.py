@@ -15,9 +15,11 @@ ends (an autograd engine callback, as FSDP2's post-backward uses).
 Eagerly, a forward gathers each parameter once, however often it is read (tied weights, a loop
 over experts), and frees it when the module that read it returns: ranks that read a weight a
 different number of times still issue the same collectives. Under ``torch.compile`` a read
-always traces the gather, wherever it happens: the traced code is a forward, and a counter or a
-cache changed inside a checkpointed region's trace is a side effect Dynamo refuses. A parameter
-read twice in one compiled forward is therefore gathered twice (tied weights).
+traces the gather where it happens: the traced code is a forward, and a counter or a cache
+changed inside a checkpointed region's trace is a side effect Dynamo refuses. Tied parameters are
+the exception: the root's pre-forward hook, outside every checkpointed region, gathers each once
+and their reads return it. Another parameter read twice in one compiled forward (a loop over its
+module) is gathered twice.
 
 :func:`gathered` gives full parameters outside forward (export, evaluation): it gathers every
 parameter once, in the same order on every rank, on entry, and frees them on exit. With
@@ -60,6 +62,9 @@ class ForwardState:
 
     frames: list[list[int]] = field(default_factory=list)
     gathered: dict[int, torch.Tensor] = field(default_factory=dict)
+    # compiled forwards: tied parameters (key -> first owner, name), gathered once by the root
+    tied: dict[int, tuple[nn.Module, str]] = field(default_factory=dict)
+    compiled_tied: dict[int, torch.Tensor] = field(default_factory=dict)
     root_depths: list[int] = field(default_factory=list)  # len(frames) when each root forward began
     backward_depth: int | None = None  # len(frames) when a backward first re-ran a forward
 
@@ -91,6 +96,13 @@ class ForwardState:
         while len(self.frames) > depth:
             self.exit()
 
+    def gather_tied(self) -> None:
+        """In a compiled root forward: gather each tied parameter once, before any module reads it."""
+        self.compiled_tied = {
+            key: getattr(owner, WRAPPED_ATTR).gathers[name](owner._parameters[name])
+            for key, (owner, name) in self.tied.items()
+        }
+
     def read(self, param: torch.Tensor, key: int, tied: bool, gather) -> torch.Tensor:
         """The shard outside a forward; inside, the tensor ``gather`` makes, once per forward."""
         if not self.frames:
@@ -118,9 +130,10 @@ def _gathered_property(name: str) -> property:
     def read(module: nn.Module) -> torch.Tensor:
         wrapped = getattr(module, WRAPPED_ATTR)
         param = module._parameters[name]
-        if torch.compiler.is_compiling():
-            return wrapped.gathers[name](param)
         state = getattr(module, STATE_ATTR)
+        if torch.compiler.is_compiling():
+            cached = state.compiled_tied.get(wrapped.keys[name]) if wrapped.tied[name] else None
+            return wrapped.gathers[name](param) if cached is None else cached
         return state.read(param, wrapped.keys[name], wrapped.tied[name], wrapped.gathers[name])
 
     return property(read)
@@ -165,13 +178,19 @@ def _exit_forward(module, args, output) -> None:
 
 
 def _enter_root_forward(module, args) -> None:
-    if not torch.compiler.is_compiling():
-        getattr(module, STATE_ATTR).enter_root()
+    state = getattr(module, STATE_ATTR)
+    if torch.compiler.is_compiling():
+        state.gather_tied()  # in the root's frame, outside any checkpointed region
+    else:
+        state.enter_root()
 
 
 def _exit_root_forward(module, args, output) -> None:
-    if not torch.compiler.is_compiling():
-        getattr(module, STATE_ATTR).exit_root()
+    state = getattr(module, STATE_ATTR)
+    if torch.compiler.is_compiling():
+        state.compiled_tied = {}
+    else:
+        state.exit_root()
 
 
 def is_wrapped(module: nn.Module) -> bool:

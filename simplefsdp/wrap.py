@@ -302,6 +302,9 @@ def simple_fsdp(
                 sharded[id(param)] = plan[name][1].store(param)
             module._parameters[name] = sharded[id(param)]
         attach(module, wrapped, state)
+        for name in names:
+            if wrapped.tied[name]:
+                state.tied.setdefault(wrapped.keys[name], (module, name))
     if routed:  # dispatch split sizes become unbacked symbolic sizes, not graph breaks
         torch._dynamo.config.capture_scalar_outputs = True
     for module in model.modules():  # buffers follow the parameters to the mesh's device

@@ -168,6 +168,28 @@ def test_transformer_gathers_every_parameter_once_per_pass(fake_world):
     assert count(backward, "all_gather_into_tensor") == n_params - 1
 
 
+def test_tied_weights_are_gathered_once_compiled(fake_world):
+    """FSDP2 semantics under torch.compile: a weight tied between embedding and output projection
+    is gathered once per forward (the root gathers it) and its gradient reduce-scattered once."""
+    mesh = init_device_mesh("cpu", (8,), mesh_dim_names=("dp_shard",))
+    torch._dynamo.reset()
+    model = Transformer(TransformerConfig(n_layers=2))
+    model.output.weight = model.tok_embeddings.weight
+    model = simple_fsdp(model, mesh)
+    n_params = len(list(model.parameters()))
+    tokens = torch.randint(0, 256, (2, 8))
+    with captured_graphs(mesh) as graphs:
+        cross_entropy_loss(torch.compile(model, fullgraph=True)(tokens), tokens).backward()
+    # the root's pre-forward hook compiles as its own graph: it gathers the tied weight first, and
+    # its backward reduce-scatters that weight's summed gradient last (as FSDP2's root unit does)
+    hook_forward, forward, backward, hook_backward = graphs
+    forward, backward = hook_forward + forward, backward + hook_backward
+    count = lambda graph, op: sum(line.startswith(op) for line in graph)
+    assert count(hook_forward, "all_gather_into_tensor") == count(hook_backward, "reduce_scatter_tensor") == 1
+    assert count(forward, "all_gather_into_tensor") == n_params == 20
+    assert count(backward, "reduce_scatter_tensor") == n_params
+
+
 def test_one_compiled_graph_serves_every_block(fake_world):
     """Blocks share one generated class, so compiling each block separately compiles once."""
     from torch._dynamo.utils import counters
