@@ -94,3 +94,24 @@ def captured_graphs(source, passes=()):
     chain.passes = []  # only the passes given to the capture run, in its own order
     with torch._inductor.config.patch(post_grad_custom_post_pass=chain, force_disable_caches=True):
         yield capture.graphs
+
+
+MATMUL_PREFIXES = ("mm ", "addmm ", "bmm ", "_grouped_mm ")
+
+
+def collectives(lines: list[str]) -> str:
+    """The collectives of a described graph in order, one per line (no waits, no matmuls): each
+    process group's sequence, the order every rank must issue."""
+    return "\n".join(line for line in lines if "[" in line and not line.startswith("wait"))
+
+
+def positions(lines: list[str], prefixes) -> list[int]:
+    """Indices of the lines that start with any of ``prefixes``."""
+    return [i for i, line in enumerate(lines) if line.startswith(prefixes)]
+
+
+def assert_each_weight_gathered_before_use(forward: list[str]) -> None:
+    """Every matmul in a forward of gathered weights follows the wait of one more all-gather."""
+    waits = positions(forward, "wait all_gather")
+    for n, mm in enumerate(positions(forward, MATMUL_PREFIXES)):
+        assert sum(w < mm for w in waits) > n, f"matmul {n} (line {mm}) runs before its weight's all-gather"

@@ -13,7 +13,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from simplefsdp import MixedPrecisionPolicy, simple_fsdp
 from simplefsdp.models.llama import FeedForward, Transformer, TransformerConfig, cross_entropy_loss
 from tests.conftest import FAKE_RANKS, fake_world_at
-from tests.graphs import captured_graphs
+from tests.graphs import MATMUL_PREFIXES, assert_each_weight_gathered_before_use, captured_graphs, collectives, positions
 
 
 @pytest.fixture(**FAKE_RANKS)
@@ -24,7 +24,7 @@ def fake_world(request):
 BF16_FP32 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
 
 
-def _mlp_graphs(mesh, **kwargs) -> tuple[str, str]:
+def _mlp_graphs(mesh, **kwargs) -> tuple[list[str], list[str]]:
     torch._dynamo.reset()
     torch.manual_seed(0)
     model = simple_fsdp(FeedForward(16, 32), mesh, **kwargs)
@@ -32,123 +32,72 @@ def _mlp_graphs(mesh, **kwargs) -> tuple[str, str]:
     with captured_graphs(mesh) as graphs:
         compiled(torch.randn(4, 16)).sum().backward()
     forward, backward = graphs[-2:]  # a cast of the inputs (mp_policy) compiles as its own graph
-    return "\n".join(forward), "\n".join(backward)
+    if positions(forward, "all_gather"):
+        assert_each_weight_gathered_before_use(forward)
+    assert len(positions(forward, MATMUL_PREFIXES)) == 3  # one per weight
+    return forward, backward
 
 
 def test_fully_shard_mixed_precision_regathers_in_backward(tc):
     mesh = init_device_mesh("cpu", (8,), mesh_dim_names=("dp_shard",))
     forward, backward = _mlp_graphs(mesh, mp_policy=BF16_FP32)
-    tc.assertExpectedInline(forward, """\
+    tc.assertExpectedInline(collectives(forward), """\
 all_gather_into_tensor[dp_shard] bfloat16
-wait all_gather_into_tensor[dp_shard]
-mm bfloat16
 all_gather_into_tensor[dp_shard] bfloat16
-wait all_gather_into_tensor[dp_shard]
-mm bfloat16
+all_gather_into_tensor[dp_shard] bfloat16""")
+    tc.assertExpectedInline(collectives(backward), """\
 all_gather_into_tensor[dp_shard] bfloat16
-wait all_gather_into_tensor[dp_shard]
-mm bfloat16""")
-    tc.assertExpectedInline(backward, """\
-mm bfloat16
-all_gather_into_tensor[dp_shard] bfloat16
-wait all_gather_into_tensor[dp_shard]
-mm bfloat16
 reduce_scatter_tensor[dp_shard] avg float32
-wait reduce_scatter_tensor[dp_shard]
-mm bfloat16
 reduce_scatter_tensor[dp_shard] avg float32
-wait reduce_scatter_tensor[dp_shard]
-mm bfloat16
-reduce_scatter_tensor[dp_shard] avg float32
-wait reduce_scatter_tensor[dp_shard]""")
+reduce_scatter_tensor[dp_shard] avg float32""")
 
 
 def test_keep_unsharded_has_no_all_gather_in_backward(tc):
     mesh = init_device_mesh("cpu", (8,), mesh_dim_names=("dp_shard",))
     forward, backward = _mlp_graphs(mesh, mp_policy=BF16_FP32, reshard_after_forward=False)
-    tc.assertExpectedInline(forward, """\
+    tc.assertExpectedInline(collectives(forward), """\
 all_gather_into_tensor[dp_shard] bfloat16
-wait all_gather_into_tensor[dp_shard]
-mm bfloat16
 all_gather_into_tensor[dp_shard] bfloat16
-wait all_gather_into_tensor[dp_shard]
-mm bfloat16
-all_gather_into_tensor[dp_shard] bfloat16
-wait all_gather_into_tensor[dp_shard]
-mm bfloat16""")
-    tc.assertExpectedInline(backward, """\
-mm bfloat16
-mm bfloat16
+all_gather_into_tensor[dp_shard] bfloat16""")
+    tc.assertExpectedInline(collectives(backward), """\
 reduce_scatter_tensor[dp_shard] avg float32
-wait reduce_scatter_tensor[dp_shard]
-mm bfloat16
 reduce_scatter_tensor[dp_shard] avg float32
-wait reduce_scatter_tensor[dp_shard]
-mm bfloat16
-reduce_scatter_tensor[dp_shard] avg float32
-wait reduce_scatter_tensor[dp_shard]""")
+reduce_scatter_tensor[dp_shard] avg float32""")
 
 
 def test_hybrid_reduce_scatters_then_all_reduces_in_param_dtype(tc):
     mesh = init_device_mesh("cpu", (2, 4), mesh_dim_names=("dp_replicate", "dp_shard"))
     # reduce_dtype unset: gradients are reduced in param_dtype, as in FSDP2
     forward, backward = _mlp_graphs(mesh, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
-    tc.assertExpectedInline(forward, """\
+    tc.assertExpectedInline(collectives(forward), """\
 all_gather_into_tensor[dp_shard] bfloat16
-wait all_gather_into_tensor[dp_shard]
-mm bfloat16
 all_gather_into_tensor[dp_shard] bfloat16
-wait all_gather_into_tensor[dp_shard]
-mm bfloat16
+all_gather_into_tensor[dp_shard] bfloat16""")
+    tc.assertExpectedInline(collectives(backward), """\
 all_gather_into_tensor[dp_shard] bfloat16
-wait all_gather_into_tensor[dp_shard]
-mm bfloat16""")
-    tc.assertExpectedInline(backward, """\
-mm bfloat16
-all_gather_into_tensor[dp_shard] bfloat16
-wait all_gather_into_tensor[dp_shard]
-mm bfloat16
 reduce_scatter_tensor[dp_shard] avg bfloat16
-wait reduce_scatter_tensor[dp_shard]
 all_reduce[dp_replicate] avg bfloat16
-wait all_reduce[dp_replicate]
-mm bfloat16
 reduce_scatter_tensor[dp_shard] avg bfloat16
-wait reduce_scatter_tensor[dp_shard]
 all_reduce[dp_replicate] avg bfloat16
-wait all_reduce[dp_replicate]
-mm bfloat16
 reduce_scatter_tensor[dp_shard] avg bfloat16
-wait reduce_scatter_tensor[dp_shard]
-all_reduce[dp_replicate] avg bfloat16
-wait all_reduce[dp_replicate]""")
+all_reduce[dp_replicate] avg bfloat16""")
 
 
 def test_hybrid_reduces_in_reduce_dtype(fake_world):
     mesh = init_device_mesh("cpu", (2, 4), mesh_dim_names=("dp_replicate", "dp_shard"))
     forward, backward = _mlp_graphs(mesh, mp_policy=BF16_FP32)
-    reductions = [line for line in backward.splitlines() if "avg" in line]
+    reductions = [line for line in backward if "avg" in line]
     assert reductions == ["reduce_scatter_tensor[dp_shard] avg float32", "all_reduce[dp_replicate] avg float32"] * 3
 
 
 def test_replicate_all_reduces_gradients_only(tc):
     mesh = init_device_mesh("cpu", (8,), mesh_dim_names=("dp_replicate",))
     forward, backward = _mlp_graphs(mesh)
-    tc.assertExpectedInline(forward, """\
-mm float32
-mm float32
-mm float32""")
-    tc.assertExpectedInline(backward, """\
-mm float32
-mm float32
+    tc.assertExpectedInline(collectives(forward), """""")
+    tc.assertExpectedInline(collectives(backward), """\
 all_reduce[dp_replicate] avg float32
-wait all_reduce[dp_replicate]
-mm float32
 all_reduce[dp_replicate] avg float32
-wait all_reduce[dp_replicate]
-mm float32
-all_reduce[dp_replicate] avg float32
-wait all_reduce[dp_replicate]""")
+all_reduce[dp_replicate] avg float32""")
 
 
 def test_transformer_gathers_every_parameter_once_per_pass(fake_world):

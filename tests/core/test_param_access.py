@@ -13,6 +13,7 @@ from torch.distributed.tensor.debug import CommDebugMode
 
 from simplefsdp import gathered, simple_fsdp
 from simplefsdp.models.llama import FeedForward
+from simplefsdp.param_access import WRAPPED_ATTR
 
 
 class TiedLoop(nn.Module):
@@ -119,3 +120,16 @@ def test_eager_checkpointing_leaves_nothing_gathered_after_backward(fake_world):
         assert state.frames == [] and state.gathered == {}
         last = model.layers[1]._checkpoint_wrapped_module[2]
         assert last.weight is last._parameters["weight"]
+
+
+def test_a_model_on_a_rebuilt_mesh_gathers_over_its_own_process_groups(fake_world):
+    """Two equal meshes (same ranks and dim names) over different process groups: DeviceMesh
+    equality ignores the groups, so a gather cache keyed on it would hand the second model the
+    first mesh's groups."""
+    meshes = [init_device_mesh("cpu", (2, 4), mesh_dim_names=("dp_replicate", "dp_shard")) for _ in range(2)]
+    assert meshes[0] == meshes[1]
+    for mesh in meshes:
+        model = simple_fsdp(FeedForward(16, 32), mesh)
+        gather = getattr(model.w1, WRAPPED_ATTR).gathers["weight"]
+        used = {m.get_group().group_name for m, _ in gather.steps}
+        assert used == {mesh.get_group(d).group_name for d in range(2)}

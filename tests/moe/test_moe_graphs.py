@@ -1,7 +1,8 @@
 """Graph structure of a compiled MoE layer at world size 8, in one process (fake process group).
 
-For each composition the forward and backward post-grad graphs list, in order, every collective
-(with its mesh dim) and every matmul; waits are left out to keep them short. Experts here run
+For each composition the forward and backward post-grad graphs' collective sequences (with their
+mesh dims) are the contract, snapshotted; where the matmuls sit is asserted as a property (routed
+experts between the dispatch and the combine all-to-all). Experts here run
 the CPU grouped-matmul reference (``bmm`` of each row with its expert's weight); on CUDA in bf16
 they are ``_grouped_mm``. The reference's backward reads the per-row weights saved in forward,
 so without checkpointing the backward graphs show no re-gather of expert weights here.
@@ -25,7 +26,7 @@ from simplefsdp.activation_checkpoint import apply_activation_checkpointing
 from simplefsdp.models.moe import MOE_CONFIGS, MoE, moe_transformer
 from simplefsdp.models.llama import cross_entropy_loss
 from tests.conftest import FAKE_RANKS, fake_world_at
-from tests.graphs import captured_graphs
+from tests.graphs import captured_graphs, collectives, positions
 
 
 @pytest.fixture(**FAKE_RANKS)
@@ -42,8 +43,8 @@ def _spread_routing(model: torch.nn.Module, ep: int) -> None:
             module.router.expert_bias[:: CFG.num_experts // ep] = 1.0
 
 
-def _moe_layer_graphs(shape, names, ep, passes=(), waits=False) -> tuple[str, str]:
-    """Forward and backward lines of one compiled MoE layer, after ``passes``; waits if asked."""
+def _moe_layer_graphs(shape, names, ep, passes=()) -> tuple[list[str], list[str]]:
+    """Forward and backward lines of one compiled MoE layer, after ``passes``."""
     if "tp" in names and dist.get_rank() == dist.get_world_size() - 1:
         # the fake group's counts exchange returns made-up counts; with tp, the last rank's share
         # of the rows is then empty while its receive splits are not, which the eager all-to-all
@@ -58,86 +59,69 @@ def _moe_layer_graphs(shape, names, ep, passes=(), waits=False) -> tuple[str, st
     x = torch.randn(2, 16, CFG.dim, requires_grad=True)
     with captured_graphs(model, passes) as graphs:
         torch.compile(model, fullgraph=True)(x).sum().backward()
-    forward, backward = ("\n".join(line for line in g if waits or not line.startswith("wait")) for g in graphs)
+    forward, backward = graphs
+    _assert_experts_run_between_dispatch_and_combine(forward, ep)
     return forward, backward
+
+
+def _assert_experts_run_between_dispatch_and_combine(forward: list[str], ep: int) -> None:
+    """Six expert matmuls (routed and shared w1, w3, w2); with ep, the three that follow the
+    routed experts' edp gathers run before the combine all-to-all starts, after the dispatch."""
+    experts = positions(forward, ("bmm ", "_grouped_mm "))
+    assert len(experts) == 6
+    if ep > 1:
+        last_edp_gather = positions(forward, "wait all_gather_into_tensor[edp]")[-1]
+        routed = [i for i in experts if i > last_edp_gather][:3]
+        dispatch, *_, combine = positions(forward, "all_to_all_single[ep] float32")
+        assert len(routed) == 3 and all(dispatch < i < combine for i in routed), forward
 
 
 @pytest.mark.slow
 def test_fsdp8(tc):
     """No ep: the experts are FSDP-sharded on dp_shard like every other parameter."""
     forward, backward = _moe_layer_graphs((8,), ("dp_shard",), 1)
-    tc.assertExpectedInline(forward, """\
-all_gather_into_tensor[dp_shard] float32
-mm float32
+    tc.assertExpectedInline(collectives(forward), """\
 all_gather_into_tensor[dp_shard] float32
 all_gather_into_tensor[dp_shard] float32
 all_gather_into_tensor[dp_shard] float32
-bmm float32
-bmm float32
-bmm float32
 all_gather_into_tensor[dp_shard] float32
 all_gather_into_tensor[dp_shard] float32
 all_gather_into_tensor[dp_shard] float32
-bmm float32
-bmm float32
-bmm float32""")
-    tc.assertExpectedInline(backward, """\
-bmm float32
-bmm float32
-bmm float32
+all_gather_into_tensor[dp_shard] float32""")
+    tc.assertExpectedInline(collectives(backward), """\
 reduce_scatter_tensor[dp_shard] avg float32
 reduce_scatter_tensor[dp_shard] avg float32
 reduce_scatter_tensor[dp_shard] avg float32
-bmm float32
-bmm float32
-bmm float32
 reduce_scatter_tensor[dp_shard] avg float32
 reduce_scatter_tensor[dp_shard] avg float32
 reduce_scatter_tensor[dp_shard] avg float32
-mm float32
 all_gather_into_tensor[dp_shard] float32
-addmm float32
 reduce_scatter_tensor[dp_shard] avg float32""")
 
 
 def test_fsdp4_ep2(tc):
     forward, backward = _moe_layer_graphs((8,), ("dp_shard",), 2)
-    tc.assertExpectedInline(forward, """\
+    tc.assertExpectedInline(collectives(forward), """\
 all_gather_into_tensor[dp_shard] float32
-mm float32
 all_to_all_single[ep] int32
 all_to_all_single[ep] float32
 all_gather_into_tensor[edp] float32
 all_gather_into_tensor[edp] float32
 all_gather_into_tensor[edp] float32
-bmm float32
-bmm float32
-bmm float32
 all_to_all_single[ep] float32
 all_gather_into_tensor[dp_shard] float32
 all_gather_into_tensor[dp_shard] float32
-all_gather_into_tensor[dp_shard] float32
-bmm float32
-bmm float32
-bmm float32""")
-    tc.assertExpectedInline(backward, """\
-bmm float32
-bmm float32
-bmm float32
+all_gather_into_tensor[dp_shard] float32""")
+    tc.assertExpectedInline(collectives(backward), """\
 reduce_scatter_tensor[dp_shard] avg float32
 reduce_scatter_tensor[dp_shard] avg float32
 reduce_scatter_tensor[dp_shard] avg float32
 all_to_all_single[ep] float32
-bmm float32
-bmm float32
-bmm float32
 reduce_scatter_tensor[edp] sum float32
 reduce_scatter_tensor[edp] sum float32
 reduce_scatter_tensor[edp] sum float32
 all_to_all_single[ep] float32
-mm float32
 all_gather_into_tensor[dp_shard] float32
-addmm float32
 reduce_scatter_tensor[dp_shard] avg float32""")
 
 
@@ -145,73 +129,48 @@ reduce_scatter_tensor[dp_shard] avg float32""")
 def test_fsdp2_tp2_ep2(tc):
     """ep borrows tp ranks: each tp rank dispatches its share of the rows, then tp all-gathers them."""
     forward, backward = _moe_layer_graphs((4, 2), ("dp_shard", "tp"), 2)
-    tc.assertExpectedInline(forward, """\
+    tc.assertExpectedInline(collectives(forward), """\
 all_gather_into_tensor[dp_shard] float32
-mm float32
 all_to_all_single[ep] int32
 all_to_all_single[ep] float32
 all_gather_into_tensor[edp] float32
 all_gather_into_tensor[edp] float32
 all_gather_into_tensor[edp] float32
-bmm float32
-bmm float32
-bmm float32
 all_to_all_single[ep] float32
 all_gather_into_tensor[tp] float32
 all_gather_into_tensor[dp_shard] float32
 all_gather_into_tensor[dp_shard] float32
-all_gather_into_tensor[dp_shard] float32
-bmm float32
-bmm float32
-bmm float32""")
-    tc.assertExpectedInline(backward, """\
-bmm float32
-bmm float32
-bmm float32
+all_gather_into_tensor[dp_shard] float32""")
+    tc.assertExpectedInline(collectives(backward), """\
 reduce_scatter_tensor[dp_shard] avg float32
 reduce_scatter_tensor[dp_shard] avg float32
 reduce_scatter_tensor[dp_shard] avg float32
 all_to_all_single[ep] float32
-bmm float32
-bmm float32
-bmm float32
 reduce_scatter_tensor[edp] sum float32
 reduce_scatter_tensor[edp] sum float32
 reduce_scatter_tensor[edp] sum float32
 all_to_all_single[ep] float32
 all_gather_into_tensor[tp] float32
-mm float32
 all_gather_into_tensor[dp_shard] float32
-addmm float32
 reduce_scatter_tensor[dp_shard] avg float32""")
 
 
 def test_hsdp2x2_tp2_ep2(tc):
     """Gradients reduce-scatter within a replica, then all-reduce across dp_replicate."""
     forward, backward = _moe_layer_graphs((2, 2, 2), ("dp_replicate", "dp_shard", "tp"), 2)
-    tc.assertExpectedInline(forward, """\
+    tc.assertExpectedInline(collectives(forward), """\
 all_gather_into_tensor[dp_shard] float32
-mm float32
 all_to_all_single[ep] int32
 all_to_all_single[ep] float32
 all_gather_into_tensor[edp] float32
 all_gather_into_tensor[edp] float32
 all_gather_into_tensor[edp] float32
-bmm float32
-bmm float32
-bmm float32
 all_to_all_single[ep] float32
 all_gather_into_tensor[tp] float32
 all_gather_into_tensor[dp_shard] float32
 all_gather_into_tensor[dp_shard] float32
-all_gather_into_tensor[dp_shard] float32
-bmm float32
-bmm float32
-bmm float32""")
-    tc.assertExpectedInline(backward, """\
-bmm float32
-bmm float32
-bmm float32
+all_gather_into_tensor[dp_shard] float32""")
+    tc.assertExpectedInline(collectives(backward), """\
 reduce_scatter_tensor[dp_shard] avg float32
 all_reduce[dp_replicate] avg float32
 reduce_scatter_tensor[dp_shard] avg float32
@@ -219,9 +178,6 @@ all_reduce[dp_replicate] avg float32
 reduce_scatter_tensor[dp_shard] avg float32
 all_reduce[dp_replicate] avg float32
 all_to_all_single[ep] float32
-bmm float32
-bmm float32
-bmm float32
 reduce_scatter_tensor[edp] sum float32
 all_reduce[dp_replicate] sum float32
 reduce_scatter_tensor[edp] sum float32
@@ -230,9 +186,7 @@ reduce_scatter_tensor[edp] sum float32
 all_reduce[dp_replicate] sum float32
 all_to_all_single[ep] float32
 all_gather_into_tensor[tp] float32
-mm float32
 all_gather_into_tensor[dp_shard] float32
-addmm float32
 reduce_scatter_tensor[dp_shard] avg float32
 all_reduce[dp_replicate] avg float32""")
 

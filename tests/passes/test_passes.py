@@ -198,6 +198,24 @@ reduce_scatter_tensor[dp_shard] avg float32
 wait reduce_scatter_tensor[dp_shard]""")
 
 
+@pytest.mark.skipif(
+    not hasattr(torch._inductor.config, "aten_distributed_optimizations"), reason="torch 2.11 has no global bucket mode"
+)
+def test_bucketing_ignores_torchs_global_bucket_mode(fake_world):
+    """torch 2.13's merge helpers follow a global bucket mode unless given one: ours pass theirs, so a
+    user's "coalesced" setting cannot make them emit ops the passes' op table does not know."""
+    torch._dynamo.reset()
+    model = simple_fsdp(FeedForward(16, 32), init_device_mesh("cpu", (8,), mesh_dim_names=("dp_shard",)))
+    patch = {"aten_distributed_optimizations.bucket_mode": "coalesced"}
+    with torch._inductor.config.patch(patch), captured_graphs(model, [FSDPBucketing(all_gathers=True)]) as graphs:
+        torch.compile(model, fullgraph=True)(torch.randn(4, 16)).sum().backward()
+    forward, backward = graphs
+    # one flat bucket each way (a coalesced op would show as "wait ?": the op table does not know it)
+    assert _collectives(forward).splitlines() == ["all_gather_into_tensor[dp_shard] float32", "wait all_gather_into_tensor[dp_shard]"]
+    assert _collectives(backward).splitlines()[-2:] == ["reduce_scatter_tensor[dp_shard] avg float32", "wait reduce_scatter_tensor[dp_shard]"]
+    assert [line for line in forward + backward if "?" in line] == []
+
+
 def test_moe_block_gets_a_dense_and_an_expert_bucket(tc):
     """FSDP4 x EP2 on 8 ranks: the MoE block's dense parameters (attention, norms, router, shared
     experts) form one dp_shard bucket and its routed experts one edp bucket; the ep all-to-alls
@@ -319,7 +337,7 @@ def test_a2a_overlap_moe_layer(tc):
     all-to-alls. Before the pass every all-to-all is waited on at once (see test_moe_graphs)."""
     from tests.moe.test_moe_graphs import _moe_layer_graphs
 
-    forward, backward = _moe_layer_graphs((8,), ("dp_shard",), 2, passes=[AllToAllOverlap()], waits=True)
+    forward, backward = ("\n".join(g) for g in _moe_layer_graphs((8,), ("dp_shard",), 2, passes=[AllToAllOverlap()]))
     tc.assertExpectedInline(forward, """\
 all_gather_into_tensor[dp_shard] float32
 wait all_gather_into_tensor[dp_shard]
@@ -401,7 +419,7 @@ def test_a2a_overlap_moe_layer_with_tp(fake_world, shape, names):
     matmul still runs under every float all-to-all, forward and backward."""
     from tests.moe.test_moe_graphs import _moe_layer_graphs
 
-    graphs = _moe_layer_graphs(shape, names, 2, passes=[AllToAllOverlap()], waits=True)
+    graphs = ["\n".join(g) for g in _moe_layer_graphs(shape, names, 2, passes=[AllToAllOverlap()])]
     for graph in graphs:
         windows = _a2a_windows(graph.splitlines())
         assert len(windows) == 2, graph
