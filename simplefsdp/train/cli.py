@@ -28,6 +28,7 @@ from simplefsdp.train.checkpoint import CheckpointError, Checkpointer, check_fol
 from simplefsdp.train.config import ConfigError, JobConfig, load, model_fingerprint, validate
 from simplefsdp.train.data import data_parallel_rank, rank_slice, token_stream
 from simplefsdp.train.grad_norm import clip_grads_
+from simplefsdp.train.optimizer import make_optimizer
 from simplefsdp.train.metrics import MetricsLog, StepMetrics, flops_per_token, peak_flops, peak_memory_gib
 from simplefsdp.models.llama import cross_entropy_loss
 from simplefsdp.tracing import trace
@@ -47,11 +48,6 @@ def train_step(runner, optimizer, batch, *, params, dp_size: int, max_norm: floa
     if dp_size > 1:
         dist.all_reduce(reported, op=dist.ReduceOp.AVG)
     return reported.item(), norm.item()
-
-
-def make_optimizer(model, lr: float) -> torch.optim.Optimizer:
-    # one parameter at a time: gradients on different meshes never meet in one foreach kernel
-    return torch.optim.AdamW(model.parameters(), lr=lr, foreach=False)
 
 
 def train_steps(model, data, *, lr: float, dp_rank: int = 0, dp_size: int = 1, on_step=None) -> list[float]:

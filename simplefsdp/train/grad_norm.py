@@ -2,7 +2,8 @@
 
 Gradients of a SimpleFSDP (or FSDP2) model are DTensors: dense ones on the dp mesh, routed
 experts' on the ``[edp, ep]`` mesh, tensor-parallel ones with a ``tp`` dim too. Each gradient's
-local squared sum is added up per (mesh, placements); that sum is then all-reduced over exactly
+local squared norm is added up per (mesh, placements), one multi-tensor kernel per group; that
+sum is then all-reduced over exactly
 the mesh dims where the gradient is sharded (a replicated dim holds the same values on every
 rank and is counted once). One all-reduce per distinct sharded group, not one per parameter.
 """
@@ -17,16 +18,10 @@ from torch.distributed.tensor.placement_types import _StridedShard
 
 def total_norm(grads: list[torch.Tensor]) -> torch.Tensor:
     """The 2-norm of all ``grads`` together, as a float32 scalar on their device, equal on all ranks."""
-    groups: dict[tuple, list[torch.Tensor]] = {}
-    for g in grads:
-        if isinstance(g, DTensor):
-            key, local = (g.device_mesh, tuple(g.placements)), g.to_local()
-        else:
-            key, local = None, g
-        groups.setdefault(key, []).append(local.detach().float().pow(2).sum())
     total = None
-    for key, squares in groups.items():
-        s = torch.stack(squares).sum()
+    for key, locals_ in _by_mesh(grads).items():
+        # one multi-tensor kernel per group, as torch.nn.utils.get_total_norm does
+        s = torch.stack(torch._foreach_norm([t.float() for t in locals_])).pow(2).sum()
         if key is not None:
             mesh, placements = key
             for dim, placement in enumerate(placements):
@@ -40,6 +35,17 @@ def total_norm(grads: list[torch.Tensor]) -> torch.Tensor:
     return total.sqrt()
 
 
+def _by_mesh(grads: list[torch.Tensor]) -> dict[tuple | None, list[torch.Tensor]]:
+    """The local tensors of ``grads``, grouped by (mesh, placements); plain tensors under None."""
+    groups: dict[tuple | None, list[torch.Tensor]] = {}
+    for g in grads:
+        if isinstance(g, DTensor):
+            groups.setdefault((g.device_mesh, tuple(g.placements)), []).append(g.to_local().detach())
+        else:
+            groups.setdefault(None, []).append(g.detach())
+    return groups
+
+
 @torch.no_grad()
 def clip_grads_(params, max_norm: float) -> torch.Tensor:
     """The total gradient norm of ``params``; gradients scaled down to ``max_norm`` when it is > 0."""
@@ -47,6 +53,6 @@ def clip_grads_(params, max_norm: float) -> torch.Tensor:
     norm = total_norm(grads)
     if max_norm > 0:
         scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)
-        for g in grads:
-            (g.to_local() if isinstance(g, DTensor) else g).mul_(scale.to(g.device))
+        for locals_ in _by_mesh(grads).values():
+            torch._foreach_mul_(locals_, scale.to(locals_[0].device))
     return norm
