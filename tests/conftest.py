@@ -28,6 +28,15 @@ def fake_world():
 FAKE_RANKS = dict(scope="module", params=[0, 7], ids=["rank0", "rank7"])
 
 
+@pytest.hookimpl(tryfirst=True)  # before the ``-m`` selection
+def pytest_collection_modifyitems(items):
+    """Tests marked ``slow_on_last_rank`` run as rank 0 by default and as rank 7 with ``-m slow``."""
+    for item in items:
+        callspec = getattr(item, "callspec", None)
+        if item.get_closest_marker("slow_on_last_rank") and callspec and callspec.params.get("fake_world") == 7:
+            item.add_marker(pytest.mark.slow)
+
+
 @pytest.fixture
 def tc(fake_world):
     """An expecttest case for ``assertExpectedInline``, with the fake world set up."""

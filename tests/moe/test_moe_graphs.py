@@ -191,6 +191,7 @@ reduce_scatter_tensor[dp_shard] avg float32
 all_reduce[dp_replicate] avg float32""")
 
 
+@pytest.mark.slow_on_last_rank  # 35 s per rank on 2 cores
 @pytest.mark.parametrize("ac", ["full", pytest.param("selective", marks=pytest.mark.slow)])
 def test_checkpointed_moe_block_regathers_and_exchanges_counts_once(fake_world, ac):
     """A checkpointed attention + MoE block compiles as one graph; backward re-gathers the
