@@ -35,6 +35,9 @@ def _body():
     return {"eager": _run(False), "compiled": _run(True)}
 
 
+# one 4-rank launch runs both (55 s on 2 cores): in the slow run; the default suite checks FSDP x TP
+# eagerly at the gradient level (tests/core/test_gradients.py) and its compiled graph below
+@pytest.mark.slow
 @pytest.mark.parametrize("run", ["eager", "compiled"])
 def test_fsdp_tp_matches_single_process(run):
     model = T.build_model()
