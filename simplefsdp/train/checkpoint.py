@@ -19,7 +19,11 @@ import shutil
 
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+
+# optimizer state and hyperparameters keyed by parameter name, not by param-group index: the
+# optimizer has one group per (mesh, placements), so the groups differ between layouts
+_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 
 _STEP_DIR = re.compile(r"step-(\d{8})$")
 _MODEL_FILE = "model.json"
@@ -66,7 +70,7 @@ class Checkpointer:
         return os.path.join(self.folder, f"step-{step:08d}")
 
     def save(self, step: int) -> None:
-        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer, options=_OPTIONS)
         final, tmp = self._dir(step), self._dir(step) + ".tmp"
         rank0 = dist.get_rank() == 0
         if rank0:
@@ -83,7 +87,9 @@ class Checkpointer:
         dist.barrier()
 
     def load(self, step: int) -> None:
-        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer, options=_OPTIONS)
         state = {"model": model_sd, "optim": optim_sd}
         dcp.load(state, checkpoint_id=self._dir(step))
-        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        set_state_dict(
+            self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"], options=_OPTIONS
+        )
