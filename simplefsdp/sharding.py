@@ -72,6 +72,18 @@ def _sync_replicas(local: torch.Tensor, mesh: DeviceMesh, placements) -> None:
             dist.broadcast(local, group=mesh.get_group(dim), group_src=0)
 
 
+def _cut(tensor: torch.Tensor, cuts) -> torch.Tensor:
+    """This rank's chunk of ``tensor`` after each (1-D mesh, dim) cut in turn (a view)."""
+    for mesh, dim in cuts:
+        tensor = local_chunk(tensor, dim, mesh)
+    return tensor
+
+
+def _dp_cuts(layout: DataParallelLayout) -> list[tuple[DeviceMesh, int]]:
+    """The dp dims that shard (``Shard(0)`` on dp_shard; dp_replicate keeps the whole tensor)."""
+    return [(m, p.dim) for m, p in zip(layout.dim_meshes, layout.shard) if isinstance(p, Shard)]
+
+
 class _Sharding:
     """How a full parameter is cut into this rank's part: ``cuts()``, (1-D mesh, dim) in order."""
 
@@ -80,9 +92,7 @@ class _Sharding:
 
     def part(self, full: torch.Tensor) -> torch.Tensor:
         """This rank's part of the full parameter (a view)."""
-        for mesh, dim in self.cuts():
-            full = local_chunk(full, dim, mesh)
-        return full
+        return _cut(full, self.cuts())
 
     def full(self, part: torch.Tensor, shape: torch.Size) -> torch.Tensor:
         """The whole ``shape``-d parameter from every rank's ``part`` (all-gathers, last cut first).
@@ -90,12 +100,12 @@ class _Sharding:
         Built on the caller's 1-D meshes: a DTensor parameter's own ``device_mesh`` may be an equal
         mesh of earlier process groups (torch caches DTensor specs by mesh equality).
         """
-        shapes = [torch.Size(shape)]
-        for mesh, dim in self.cuts():
+        cuts, shapes = self.cuts(), [torch.Size(shape)]
+        for mesh, dim in cuts:
             size = list(shapes[-1])
             size[dim] = chunk_bounds(size[dim], mesh.size(), mesh.get_local_rank())[1]
             shapes.append(torch.Size(size))
-        for (mesh, dim), whole in zip(reversed(self.cuts()), reversed(shapes[:-1])):
+        for (mesh, dim), whole in zip(reversed(cuts), reversed(shapes[:-1])):
             stride = torch.empty(whole, device="meta").stride()
             part = DTensor.from_local(part, mesh, (Shard(dim),), run_check=False, shape=whole, stride=stride)
             part = part.full_tensor()
@@ -110,7 +120,7 @@ class DenseSharding(_Sharding):
     device: torch.device
 
     def cuts(self):
-        return [(m, p.dim) for m, p in zip(self.layout.dim_meshes, self.layout.shard) if isinstance(p, Shard)]
+        return _dp_cuts(self.layout)
 
     def store(self, param: torch.Tensor) -> nn.Parameter:
         local = _owned(self.part(param.detach()), self.device)
@@ -129,15 +139,10 @@ class TensorParallelSharding(_Sharding):
 
     def cuts(self):
         tp = [(self.layout.tp_mesh, self.tp_placement.dim)] if isinstance(self.tp_placement, Shard) else []
-        return tp + self._dp_cuts()
-
-    def _dp_cuts(self):
-        return [(m, 0) for m, p in zip(self.layout.dim_meshes, self.layout.shard) if isinstance(p, Shard)]
+        return tp + _dp_cuts(self.layout)
 
     def store(self, param: DTensor) -> nn.Parameter:
-        local = param.to_local().detach()
-        for mesh, dim in self._dp_cuts():
-            local = local_chunk(local, dim, mesh)
+        local = _cut(param.to_local().detach(), _dp_cuts(self.layout))  # tp already cut its part
         split_dim0 = self.tp_placement.is_shard(0)
         dp = tuple(
             _StridedShard(0, split_factor=self.layout.tp_mesh.size()) if isinstance(p, Shard) and split_dim0 else p
