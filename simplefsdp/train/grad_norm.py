@@ -16,10 +16,11 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
 
-def total_norm(grads: list[torch.Tensor]) -> torch.Tensor:
-    """The 2-norm of all ``grads`` together, as a float32 scalar on their device, equal on all ranks."""
+def total_norm(groups: dict[tuple | None, list[torch.Tensor]]) -> torch.Tensor:
+    """The 2-norm of all gradients together, as a float32 scalar on their device, equal on all ranks;
+    ``groups``: their local tensors by (mesh, placements), as :func:`_by_mesh` gives them."""
     total = None
-    for key, locals_ in _by_mesh(grads).items():
+    for key, locals_ in groups.items():
         # one multi-tensor kernel per group, as torch.nn.utils.get_total_norm does
         s = torch.stack(torch._foreach_norm([t.float() for t in locals_])).pow(2).sum()
         if key is not None:
@@ -35,24 +36,30 @@ def total_norm(grads: list[torch.Tensor]) -> torch.Tensor:
     return total.sqrt()
 
 
-def _by_mesh(grads: list[torch.Tensor]) -> dict[tuple | None, list[torch.Tensor]]:
-    """The local tensors of ``grads``, grouped by (mesh, placements); plain tensors under None."""
+def group_by_mesh(tensors) -> dict[tuple | None, list[torch.Tensor]]:
+    """``tensors`` grouped by (mesh, placements), in first-seen order; plain tensors under None."""
     groups: dict[tuple | None, list[torch.Tensor]] = {}
-    for g in grads:
-        if isinstance(g, DTensor):
-            groups.setdefault((g.device_mesh, tuple(g.placements)), []).append(g.to_local().detach())
-        else:
-            groups.setdefault(None, []).append(g.detach())
+    for t in tensors:
+        key = (t.device_mesh, tuple(t.placements)) if isinstance(t, DTensor) else None
+        groups.setdefault(key, []).append(t)
     return groups
+
+
+def _by_mesh(grads: list[torch.Tensor]) -> dict[tuple | None, list[torch.Tensor]]:
+    """The local tensors of ``grads``, grouped by (mesh, placements)."""
+    return {
+        key: [(g.to_local() if isinstance(g, DTensor) else g).detach() for g in group]
+        for key, group in group_by_mesh(grads).items()
+    }
 
 
 @torch.no_grad()
 def clip_grads_(params, max_norm: float) -> torch.Tensor:
     """The total gradient norm of ``params``; gradients scaled down to ``max_norm`` when it is > 0."""
-    grads = [p.grad for p in params if p.grad is not None]
-    norm = total_norm(grads)
+    groups = _by_mesh([p.grad for p in params if p.grad is not None])
+    norm = total_norm(groups)
     if max_norm > 0:
         scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)
-        for locals_ in _by_mesh(grads).values():
+        for locals_ in groups.values():
             torch._foreach_mul_(locals_, scale.to(locals_[0].device))
     return norm

@@ -16,16 +16,13 @@ from __future__ import annotations
 
 import torch
 import torch.nn as nn
-from torch.distributed.tensor import DTensor
+
+from simplefsdp.train.grad_norm import group_by_mesh
 
 
 def param_groups(params) -> list[list[nn.Parameter]]:
     """``params`` split by (mesh, placements), in first-seen order; plain tensors in one group."""
-    groups: dict[tuple, list[nn.Parameter]] = {}
-    for p in params:
-        key = (p.device_mesh, tuple(p.placements)) if isinstance(p, DTensor) else None
-        groups.setdefault(key, []).append(p)
-    return list(groups.values())
+    return list(group_by_mesh(params).values())
 
 
 def make_optimizer(model: nn.Module, lr: float) -> torch.optim.Optimizer:
