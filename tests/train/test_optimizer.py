@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import pytest
 import torch
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
@@ -51,3 +52,23 @@ def test_grouped_fused_adamw_matches_per_parameter_adamw(fake_world):
     )
     print(f"max |difference| {worst:.3g}")
     assert worst < 1e-6
+
+
+def test_clipping_scales_every_gradient_as_torch_does(fake_world):
+    """Gradients on two meshes (dense and expert) are scaled as torch's clipping scales the same
+    local tensors (``get_total_norm``, then ``max_norm / (norm + 1e-6)``). (The fake group's all-reduce moves no data, so the norm is over this
+    rank's shards; the 4-rank gradient tests check the global norm.)"""
+    from simplefsdp.train.grad_norm import clip_grads_
+
+    model = _wrapped_moe()
+    gen = torch.Generator().manual_seed(0)
+    for p in model.parameters():
+        local = torch.randn(p.to_local().shape, generator=gen)
+        p.grad = DTensor.from_local(local, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride())
+    expected = [p.grad.to_local().clone() for p in model.parameters()]
+    expected_norm = torch.nn.utils.get_total_norm(expected)
+    expected = [e * (1.0 / (expected_norm + 1e-6)) for e in expected]
+    norm = clip_grads_(list(model.parameters()), 1.0)
+    assert norm.item() == pytest.approx(expected_norm.item(), rel=1e-6) and expected_norm > 1.0
+    worst = max((p.grad.to_local() - e).abs().max().item() for p, e in zip(model.parameters(), expected))
+    assert worst < 1e-7
