@@ -37,6 +37,7 @@ import argparse
 import contextlib
 import dataclasses
 import json
+import operator
 import os
 import time
 from unittest import mock
@@ -135,6 +136,8 @@ def _shape(val, unbacked: dict) -> list[int]:
 
 
 def _nbytes(val, unbacked: dict) -> int:
+    if isinstance(val, (list, tuple)):  # a coalesced collective's outputs
+        return sum(_nbytes(v, unbacked) for v in val)
     numel = 1
     for s in _shape(val, unbacked):
         numel *= s
@@ -176,10 +179,13 @@ def snapshot(graph: torch.fx.Graph, unbacked: dict) -> list[Node]:
         name = op_name(call)
         if name in COLLECTIVES:
             collective = COLLECTIVES[name]
-            val = call.meta["val"] if collective.bytes_side == "out" else call.args[0].meta["val"]
+            side = call if collective.bytes_side == "out" else call.args[0]
+            val = [n.meta["val"] for n in side] if isinstance(side, (list, tuple)) else side.meta["val"]
             out.append(Node(node.name, "collective", collective.kind, collective_group(call), _nbytes(val, unbacked)))
         elif name == "wait_tensor":
             waited = node.args[2] if call is not node else node.args[0]
+            if waited.target is operator.getitem:  # one output of a coalesced collective
+                waited = waited.args[0]
             out.append(Node(node.name, "wait", name, waits_for=waited.name))
         elif flops := _flops(name or "", call, unbacked):
             out.append(Node(node.name, "compute", name, flops=flops))

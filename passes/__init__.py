@@ -31,8 +31,7 @@ from simplefsdp.passes.fx_utils import collective_sequences
 from simplefsdp.passes.gloo_one_in_flight import GlooOneInFlight
 
 BUCKETING = ("all", "reduce_scatter", "none")
-# all-gather buckets are not yet bitwise neutral on CPU (see FSDPBucketing): off by default
-DEFAULT_BUCKETING = "reduce_scatter"
+DEFAULT_BUCKETING = "all"
 
 
 # torch 2.13 lets a pass ask whether the graph is an inference graph; torch 2.11 does not
@@ -151,8 +150,8 @@ def compile_options(
 ) -> dict:
     """``torch.compile(options=...)`` that runs the passes configured so, then the user's pass.
 
-    ``bucketing``: ``"reduce_scatter"`` (default) merges FSDP reduce-scatters per block and mesh,
-    ``"all"`` the all-gathers too, ``"none"`` neither. ``bucket_cap_mb`` caps a bucket's size.
+    ``bucketing``: ``"all"`` (default) merges FSDP all-gathers and reduce-scatters per block, mesh
+    and dtype, ``"reduce_scatter"`` only the reduce-scatters, ``"none"`` neither. ``bucket_cap_mb`` caps a bucket's size.
     ``a2a_overlap`` overlaps the expert all-to-alls with shared-expert compute. ``prefetch``:
     blocks whose all-gathers are issued ahead (and whose reduce-scatters drain behind); 0: off.
     """

@@ -36,7 +36,7 @@ import torch
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 
 from simplefsdp.passes import fx_utils
-from simplefsdp.passes.fx_utils import module_path, op_name, pin_after, record_plan, reorder, wait_of
+from simplefsdp.passes.fx_utils import module_path, op_name, pin_after, record_plan, reorder, waits_of
 from simplefsdp.passes.ops import MATMULS
 
 ARTIFACT = "simplefsdp_a2a_overlap"
@@ -108,9 +108,10 @@ class AllToAllOverlap(CustomGraphPass):
             movable = [n for n in shared if n not in linked]
             record = {"layer": layer, "all_to_alls": []}
             for start, chunk in zip(starts, _chunks(movable, len(starts))):
-                wait = wait_of(start)
-                if wait is None:
+                waits = waits_of(start)
+                if not waits:
                     continue
+                wait = waits[0]
                 for i, node in enumerate(chunk):  # just before the wait, in their own order
                     keys[node] = (position[wait], -1, i)
                 matmuls = [n for n in chunk if op_name(n) in MATMULS]

@@ -13,15 +13,29 @@ A parameter's block (:func:`fx_utils.block_of`) is the path of its module up to 
 parameters outside any list (embeddings, final norm, output) share the ``root`` bucket, as
 FSDP2's root unit does. ``bucket_cap_mb`` splits a bucket that would exceed it.
 
-The merge itself is torch's (``torch._inductor.fx_passes.bucketing.merge_*_bucket``): inputs are
-concatenated into one buffer, gathered (or reduced) once and split again, so values are
-unchanged bit for bit (though Inductor may fuse the code around them differently: see
-:class:`FSDPBucketing`). Each call records its plan (buckets with their parameters, group, dtype
-and bytes) as the structured-trace artifact ``simplefsdp_fsdp_buckets``, which tlparse shows.
+Each kind is merged the way that leaves every value unchanged bit for bit:
+
+* reduce-scatters by torch's ``merge_reduce_scatter_bucket``: the gradients are concatenated into
+  one buffer, reduced once and split again;
+* all-gathers into one coalesced collective (``all_gather_into_tensor_coalesced``, which NCCL
+  runs as one group of gathers)::
+
+      ag0 = all_gather(w0); wait(ag0) ... ag1 = all_gather(w1); wait(ag1)
+      ->  ags = all_gather_coalesced([w0, w1]); wait(ags[0]) ... wait(ags[1])
+
+  Each parameter keeps its own output buffer, so the kernels that read it are the kernels that
+  read it unbucketed. A flat bucket (torch's ``merge_all_gather_bucket``) gathers the same bytes
+  but adds a copy out of the bucket, which Inductor fuses into neighbouring kernels; on CPU those
+  round differently and losses move in the last bits. Each wait stays where the parameter's
+  gather was waited on, that is at its first use.
+
+Each call records its plan (buckets with their parameters, group, dtype and bytes) as the
+structured-trace artifact ``simplefsdp_fsdp_buckets``, which tlparse shows.
 """
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass, field, fields
 
 import torch
@@ -29,17 +43,17 @@ from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_file
 from torch._inductor.fx_passes.bucketing import (
     is_all_gather_into_tensor,
     is_reduce_scatter_tensor,
-    merge_all_gather_bucket,
     merge_reduce_scatter_bucket,
 )
 
 from simplefsdp.passes import fx_utils
-from simplefsdp.passes.fx_utils import BLOCK_META, input_closure, module_path, node_block, record_plan
+from simplefsdp.passes.fx_utils import BLOCK_META, input_closure, module_path, node_block, record_plan, waits_of
 
 ARTIFACT = "simplefsdp_fsdp_buckets"
-# passed to torch's merge helpers explicitly: without it, torch 2.13 follows the global
+# passed to torch's merge helper explicitly: without it, torch 2.13 follows the global
 # ``aten_distributed_optimizations.bucket_mode``, which may emit ops this pass does not expect
 BUCKET_MODE = "default"
+_c10d = torch.ops._c10d_functional
 
 
 @dataclass
@@ -110,13 +124,39 @@ def _hoist_inputs(graph: torch.fx.Graph, collectives: list[torch.fx.Node], befor
             before.prepend(node)
 
 
+def merge_all_gathers(graph: torch.fx.Graph, gathers: list[torch.fx.Node]) -> torch.fx.Node:
+    """Replace ``gathers`` (one process group) by one coalesced all-gather where the first was.
+
+    Each gather's wait becomes ``wait(coalesced[i])`` in the same place; the inputs of the later
+    gathers must already be computed above the first (:func:`_hoist_inputs`).
+    """
+    first = gathers[0]
+    group_size, group_name = first.args[1:3]
+    if any(g.args[1:3] != (group_size, group_name) for g in gathers):
+        raise AssertionError(f"the all-gathers of one bucket run on different groups: {gathers}")
+    with graph.inserting_before(first):
+        coalesced = graph.call_function(
+            _c10d.all_gather_into_tensor_coalesced.default, ([g.args[0] for g in gathers], group_size, group_name)
+        )
+    coalesced.meta.update(first.meta, val=[g.meta["val"] for g in gathers])
+    for i, gather in enumerate(gathers):
+        (wait,) = waits_of(gather)
+        with graph.inserting_before(wait):
+            item = graph.call_function(operator.getitem, (coalesced, i))
+            new_wait = graph.call_function(_c10d.wait_tensor.default, (item,))
+        item.meta.update(gather.meta)
+        new_wait.meta.update(wait.meta)
+        wait.replace_all_uses_with(new_wait)
+        graph.erase_node(wait)
+        graph.erase_node(gather)
+    return coalesced
+
+
 class FSDPBucketing(CustomGraphPass):
     """Merge FSDP all-gathers and reduce-scatters per (block, process group, dtype).
 
-    ``all_gathers`` / ``reduce_scatters`` turn either half off. Merging reduce-scatters leaves
-    every bit of training unchanged (tested on gloo ranks). Merging all-gathers moves the same
-    bytes, but Inductor then fuses the copies out of the bucket into neighbouring kernels and,
-    on CPU, the re-fused kernels round differently (losses differ in the last bits).
+    ``all_gathers`` / ``reduce_scatters`` turn either half off. Either leaves every bit of
+    training unchanged (tested on gloo ranks).
     """
 
     def __init__(self, bucket_cap_mb: float | None = None, all_gathers: bool = True, reduce_scatters: bool = True):
@@ -133,7 +173,7 @@ class FSDPBucketing(CustomGraphPass):
                 # the shards) hoisted above it: every rank then issues the same collectives in
                 # the same order, also when uneven shards give ranks different pad nodes
                 _hoist_inputs(graph, bucket.nodes, before=bucket.nodes[0])
-                merge_all_gather_bucket(graph, bucket.nodes, mode=BUCKET_MODE, insert_before=bucket.nodes[0])
+                merge_all_gathers(graph, bucket.nodes)
             else:  # after the last reduce-scatter, when every gradient of the bucket is ready
                 merge_reduce_scatter_bucket(graph, bucket.nodes, mode=BUCKET_MODE)
             for node in graph.nodes:  # the merged nodes carry no module path: keep their block

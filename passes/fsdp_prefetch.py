@@ -36,7 +36,7 @@ import torch
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 
 from simplefsdp.passes import fx_utils
-from simplefsdp.passes.fx_utils import input_closure, node_block, op_name, record_plan, reorder, wait_of
+from simplefsdp.passes.fx_utils import input_closure, node_block, op_name, record_plan, reorder, waits_of
 
 ARTIFACT = "simplefsdp_fsdp_prefetch"
 
@@ -57,8 +57,8 @@ def _blocks(graph: torch.fx.Graph, names: tuple[str, ...]) -> dict[str, list[tor
 class FSDPPrefetch(CustomGraphPass):
     """Gather each block's parameters ``in_flight`` blocks ahead; drain its reduce-scatters behind."""
 
-    GATHERS = ("all_gather_into_tensor", "all_gather_into_tensor_out")
-    REDUCE_SCATTERS = ("reduce_scatter_tensor", "reduce_scatter_tensor_out")
+    GATHERS = ("all_gather_into_tensor", "all_gather_into_tensor_out", "all_gather_into_tensor_coalesced")
+    REDUCE_SCATTERS = ("reduce_scatter_tensor", "reduce_scatter_tensor_out", "reduce_scatter_tensor_coalesced")
 
     def __init__(self, in_flight: int = 1):
         if not isinstance(in_flight, int) or in_flight < 1:
@@ -72,7 +72,7 @@ class FSDPPrefetch(CustomGraphPass):
         keys, plan = {}, []
         gathers = list(_blocks(graph, self.GATHERS).items())
         for i, (block, starts) in enumerate(gathers[self.in_flight:], start=self.in_flight):
-            earlier = [w for w in map(wait_of, gathers[i - self.in_flight][1]) if w is not None]
+            earlier = [w for start in gathers[i - self.in_flight][1] for w in waits_of(start)]
             if not earlier:
                 continue
             first_wait = min(earlier, key=position.__getitem__)
@@ -85,10 +85,7 @@ class FSDPPrefetch(CustomGraphPass):
         reductions = list(_blocks(graph, self.REDUCE_SCATTERS).items())
         for i, (block, starts) in enumerate(reductions):
             later = reductions[i + self.in_flight][1][0] if i + self.in_flight < len(reductions) else None
-            for start in starts:
-                wait = wait_of(start)
-                if wait is None:
-                    continue
+            for wait in (w for start in starts for w in waits_of(start)):
                 # its users (splits of a bucket, the HSDP all-reduce, output) follow it there
                 target = len(position) if later is None else position[later]
                 if target > position[wait]:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import heapq
 import json
+import operator
 import re
 from collections import defaultdict
 
@@ -61,7 +62,7 @@ def input_closure(collectives: list[torch.fx.Node]) -> set[torch.fx.Node] | None
     activations (the tp gather after an expert combine) depends on other collectives.
     """
     needed: set[torch.fx.Node] = set()
-    stack = [n.args[0] for n in collectives]
+    stack = [i for n in collectives for i in n.all_input_nodes]  # a coalesced op has a list of inputs
     while stack:
         node = stack.pop()
         if not isinstance(node, torch.fx.Node) or node.op == "placeholder" or node in needed:
@@ -73,9 +74,11 @@ def input_closure(collectives: list[torch.fx.Node]) -> set[torch.fx.Node] | None
     return needed
 
 
-def wait_of(start: torch.fx.Node) -> torch.fx.Node | None:
-    """The ``wait_tensor`` on a collective's result, if the graph has one."""
-    return next((u for u in start.users if op_name(u) == "wait_tensor"), None)
+def waits_of(start: torch.fx.Node) -> list[torch.fx.Node]:
+    """The ``wait_tensor`` nodes on a collective's results: one on its result, or for a coalesced
+    collective one per output (``collective -> getitem[i] -> wait``)."""
+    outputs = [u for u in start.users if u.op == "call_function" and u.target is operator.getitem] or [start]
+    return [u for out in outputs for u in out.users if op_name(u) == "wait_tensor"]
 
 
 def collective_group(node: torch.fx.Node) -> str | None:

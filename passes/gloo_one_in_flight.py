@@ -26,12 +26,12 @@ from __future__ import annotations
 import torch
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 
-from simplefsdp.passes.fx_utils import collective_group, is_gloo, pin_after, record_plan, wait_of
+from simplefsdp.passes.fx_utils import collective_group, is_gloo, pin_after, record_plan, waits_of
 
 
 class GlooOneInFlight(CustomGraphPass):
     def __call__(self, graph: torch.fx.Graph) -> None:
-        previous_wait = None
+        previous_waits: list[torch.fx.Node] = []
         after: dict[torch.fx.Node, list[torch.fx.Node]] = {}
         moved = []
         position = {node: i for i, node in enumerate(graph.nodes)}
@@ -39,12 +39,13 @@ class GlooOneInFlight(CustomGraphPass):
             group = collective_group(node)
             if group is None or not is_gloo(group):
                 continue
-            if previous_wait is not None:
-                if position[previous_wait] > position[node]:
-                    node.prepend(previous_wait)
-                    moved.append(previous_wait.name)
-                after[node] = [previous_wait]
-            previous_wait = wait_of(node)
+            for wait in previous_waits:
+                if position[wait] > position[node]:
+                    node.prepend(wait)
+                    moved.append(wait.name)
+            if previous_waits:
+                after[node] = previous_waits
+            previous_waits = waits_of(node)
         pin_after(graph, after)
         if after:
             record_plan("simplefsdp_gloo_one_in_flight", {"ordered_after_previous_wait": [n.name for n in after], "waits_moved_up": moved})

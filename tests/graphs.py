@@ -9,6 +9,7 @@ it is active, since a cache hit skips the pass.
 from __future__ import annotations
 
 import contextlib
+import operator
 
 import torch
 from torch._inductor.custom_graph_pass import CustomGraphPass
@@ -19,6 +20,8 @@ from simplefsdp.passes.ops import COLLECTIVES, MATMULS
 
 
 def _dtype(node) -> str:
+    if isinstance(node, (list, tuple)):  # the inputs of a coalesced collective
+        return "|".join(sorted({_dtype(n) for n in node}))
     val = node.meta.get("val")
     return str(val.dtype).removeprefix("torch.") if isinstance(val, torch.Tensor) else "?"
 
@@ -45,6 +48,8 @@ def describe(graph: torch.fx.Graph, group_names: dict[str, str]) -> list[str]:
             lines.append(f"{started[node]}{extra} {_dtype(call.args[0])}")
         elif name == "wait_tensor":
             waited = node.args[2] if call is not node else node.args[0]  # wrapped: (deps, subgraph, input)
+            if getattr(waited, "target", None) is operator.getitem:  # one output of a coalesced collective
+                waited = waited.args[0]
             lines.append(f"wait {started.get(waited, '?')}")
         elif name in MATMULS:
             lines.append(f"{name} {_dtype(node)}")

@@ -2,8 +2,7 @@
 
 Graph structure in one process with the fake 8-rank process group, and bitwise neutrality on
 gloo ranks: training compiled with the default passes gives exactly the losses and parameters of
-training compiled without them. All-gather buckets (not on by default) are not yet bitwise
-neutral on CPU; a strict xfail records it.
+training compiled without them.
 """
 
 from __future__ import annotations
@@ -21,24 +20,22 @@ from simplefsdp.models.llama import FeedForward, Transformer, TransformerConfig,
 from simplefsdp.models.moe import MOE_CONFIGS, MoE, moe_transformer
 from simplefsdp.passes.a2a_overlap import AllToAllOverlap
 from simplefsdp.passes.fsdp_bucketing import FSDPBucketing, plan_buckets
-from simplefsdp.passes.fx_utils import block_of, reorder
+from simplefsdp.passes.fx_utils import block_of, node_block, op_name, reorder, waits_of
+from simplefsdp.passes.ops import COLLECTIVES
 from tests import training as T
 from tests.graphs import captured_graphs
 
 
 def _collectives(graph: list[str]) -> str:
-    return "\n".join(line for line in graph if "[" in line)
-
-
-def _runs(graph: list[str]) -> str:
-    """The graph's lines, with each run of consecutive matmuls shown as one ``N matmuls`` line."""
-    out = []
-    for line in graph:
-        if line.startswith(("mm", "addmm", "bmm")):
-            count = int(out.pop().split()[0]) if out and out[-1].endswith(" matmuls") else 0
-            line = f"{count + 1} matmuls"
-        out.append(line)
-    return "\n".join(out)
+    """The graph's collective and wait lines; a run of equal lines (the waits on one coalesced
+    bucket's outputs) shows once, as ``line xN``."""
+    out: list[list] = []
+    for line in (line for line in graph if "[" in line):
+        if out and out[-1][0] == line:
+            out[-1][1] += 1
+        else:
+            out.append([line, 1])
+    return "\n".join(line if n == 1 else f"{line} x{n}" for line, n in out)
 
 
 def _graphs(model, tokens, graph_passes):
@@ -62,8 +59,8 @@ def _kinds(options) -> list:
 
 def test_compile_options():
     guard = "GlooOneInFlight"  # always last: see passes/gloo_one_in_flight.py
-    assert _kinds(passes.compile_options()) == [("reduce_scatter",), "AllToAllOverlap", "FSDPPrefetch", guard]
-    assert _kinds(passes.compile_options(bucketing="all", prefetch=0)) == [("all_gather", "reduce_scatter"), "AllToAllOverlap", guard]
+    assert _kinds(passes.compile_options()) == [("all_gather", "reduce_scatter"), "AllToAllOverlap", "FSDPPrefetch", guard]
+    assert _kinds(passes.compile_options(bucketing="reduce_scatter", prefetch=0)) == [("reduce_scatter",), "AllToAllOverlap", guard]
     assert _kinds(passes.compile_options(bucketing="none", a2a_overlap=False)) == ["FSDPPrefetch", guard]
     assert passes.compile_options(prefetch=2)["post_grad_custom_post_pass"].passes[-2].in_flight == 2
     assert _kinds(passes.compile_options(bucketing="none", a2a_overlap=False, prefetch=0)) == [guard]
@@ -177,21 +174,21 @@ def test_dense_blocks_get_one_bucket_each(tc):
     tokens = torch.randint(0, 256, (2, 8))
     forward, backward = _graphs(model, tokens, [FSDPBucketing()])
     tc.assertExpectedInline(_collectives(forward), """\
-all_gather_into_tensor[dp_shard] float32
-wait all_gather_into_tensor[dp_shard]
-all_gather_into_tensor[dp_shard] float32
-wait all_gather_into_tensor[dp_shard]
-all_gather_into_tensor[dp_shard] float32
-wait all_gather_into_tensor[dp_shard]""")
+all_gather_into_tensor_coalesced[dp_shard] float32
+wait all_gather_into_tensor_coalesced[dp_shard]
+all_gather_into_tensor_coalesced[dp_shard] float32
+wait all_gather_into_tensor_coalesced[dp_shard] x9
+all_gather_into_tensor_coalesced[dp_shard] float32
+wait all_gather_into_tensor_coalesced[dp_shard] x11""")
     tc.assertExpectedInline(_collectives(backward), """\
-all_gather_into_tensor[dp_shard] float32
-wait all_gather_into_tensor[dp_shard]
-all_gather_into_tensor[dp_shard] float32
-wait all_gather_into_tensor[dp_shard]
+all_gather_into_tensor_coalesced[dp_shard] float32
+wait all_gather_into_tensor_coalesced[dp_shard] x2
+all_gather_into_tensor_coalesced[dp_shard] float32
+wait all_gather_into_tensor_coalesced[dp_shard] x9
 reduce_scatter_tensor[dp_shard] avg float32
 wait reduce_scatter_tensor[dp_shard]
-all_gather_into_tensor[dp_shard] float32
-wait all_gather_into_tensor[dp_shard]
+all_gather_into_tensor_coalesced[dp_shard] float32
+wait all_gather_into_tensor_coalesced[dp_shard] x9
 reduce_scatter_tensor[dp_shard] avg float32
 wait reduce_scatter_tensor[dp_shard]
 reduce_scatter_tensor[dp_shard] avg float32
@@ -202,18 +199,16 @@ wait reduce_scatter_tensor[dp_shard]""")
     not hasattr(torch._inductor.config, "aten_distributed_optimizations"), reason="torch 2.11 has no global bucket mode"
 )
 def test_bucketing_ignores_torchs_global_bucket_mode(fake_world):
-    """torch 2.13's merge helpers follow a global bucket mode unless given one: ours pass theirs, so a
-    user's "coalesced" setting cannot make them emit ops the passes' op table does not know."""
+    """torch 2.13's reduce-scatter merge follows a global bucket mode unless given one: ours passes
+    its own, so a user's "coalesced" setting does not change what the pass emits."""
     torch._dynamo.reset()
     model = simple_fsdp(FeedForward(16, 32), init_device_mesh("cpu", (8,), mesh_dim_names=("dp_shard",)))
     patch = {"aten_distributed_optimizations.bucket_mode": "coalesced"}
-    with torch._inductor.config.patch(patch), captured_graphs(model, [FSDPBucketing(all_gathers=True)]) as graphs:
+    with torch._inductor.config.patch(patch), captured_graphs(model, [FSDPBucketing()]) as graphs:
         torch.compile(model, fullgraph=True)(torch.randn(4, 16)).sum().backward()
-    forward, backward = graphs
-    # one flat bucket each way (a coalesced op would show as "wait ?": the op table does not know it)
-    assert _collectives(forward).splitlines() == ["all_gather_into_tensor[dp_shard] float32", "wait all_gather_into_tensor[dp_shard]"]
-    assert _collectives(backward).splitlines()[-2:] == ["reduce_scatter_tensor[dp_shard] avg float32", "wait reduce_scatter_tensor[dp_shard]"]
-    assert [line for line in forward + backward if "?" in line] == []
+    forward, backward = (_collectives(g).splitlines() for g in graphs)
+    assert forward == ["all_gather_into_tensor_coalesced[dp_shard] float32", "wait all_gather_into_tensor_coalesced[dp_shard] x3"]
+    assert backward[-2:] == ["reduce_scatter_tensor[dp_shard] avg float32", "wait reduce_scatter_tensor[dp_shard]"]
 
 
 def test_moe_block_gets_a_dense_and_an_expert_bucket(tc):
@@ -233,35 +228,36 @@ def test_moe_block_gets_a_dense_and_an_expert_bucket(tc):
     count = lambda graph, prefix: sum(line.startswith(prefix) for line in graph)
     assert count(forward, "all_gather_into_tensor") == 4
     tc.assertExpectedInline(_collectives(forward), """\
-all_gather_into_tensor[dp_shard] float32
-wait all_gather_into_tensor[dp_shard]
-all_gather_into_tensor[dp_shard] float32
-wait all_gather_into_tensor[dp_shard]
-all_gather_into_tensor[dp_shard] float32
-wait all_gather_into_tensor[dp_shard]
+all_gather_into_tensor_coalesced[dp_shard] float32
+wait all_gather_into_tensor_coalesced[dp_shard]
+all_gather_into_tensor_coalesced[dp_shard] float32
+wait all_gather_into_tensor_coalesced[dp_shard] x9
+all_gather_into_tensor_coalesced[dp_shard] float32
+wait all_gather_into_tensor_coalesced[dp_shard] x7
 all_to_all_single[ep] int32
 wait all_to_all_single[ep]
 all_to_all_single[ep] float32
 wait all_to_all_single[ep]
-all_gather_into_tensor[edp] float32
-wait all_gather_into_tensor[edp]
+all_gather_into_tensor_coalesced[edp] float32
+wait all_gather_into_tensor_coalesced[edp] x3
 all_to_all_single[ep] float32
-wait all_to_all_single[ep]""")
+wait all_to_all_single[ep]
+wait all_gather_into_tensor_coalesced[dp_shard] x5""")
     tc.assertExpectedInline(_collectives(backward), """\
-all_gather_into_tensor[dp_shard] float32
-wait all_gather_into_tensor[dp_shard]
+all_gather_into_tensor_coalesced[dp_shard] float32
+wait all_gather_into_tensor_coalesced[dp_shard] x2
 all_to_all_single[ep] float32
 wait all_to_all_single[ep]
 reduce_scatter_tensor[edp] sum float32
 wait reduce_scatter_tensor[edp]
 all_to_all_single[ep] float32
 wait all_to_all_single[ep]
-all_gather_into_tensor[dp_shard] float32
-wait all_gather_into_tensor[dp_shard]
+all_gather_into_tensor_coalesced[dp_shard] float32
+wait all_gather_into_tensor_coalesced[dp_shard] x7
 reduce_scatter_tensor[dp_shard] avg float32
 wait reduce_scatter_tensor[dp_shard]
-all_gather_into_tensor[dp_shard] float32
-wait all_gather_into_tensor[dp_shard]
+all_gather_into_tensor_coalesced[dp_shard] float32
+wait all_gather_into_tensor_coalesced[dp_shard] x9
 reduce_scatter_tensor[dp_shard] avg float32
 wait reduce_scatter_tensor[dp_shard]
 reduce_scatter_tensor[dp_shard] avg float32
@@ -316,18 +312,8 @@ def _assert_bitwise(run: str, bucketing: str):
 
 @pytest.mark.parametrize("run", ["fsdp2", *(pytest.param(r, marks=pytest.mark.slow) for r in ("fsdp2xep2", "fsdp2xtp2xep2"))])
 def test_default_passes_change_no_bit(run):
-    """Reduce-scatter buckets and the all-to-all overlap: every loss and parameter is unchanged."""
+    """All-gather and reduce-scatter buckets and the all-to-all overlap: every loss and parameter is unchanged."""
     _assert_bitwise(run, passes.DEFAULT_BUCKETING)
-
-
-@pytest.mark.slow
-@pytest.mark.xfail(
-    strict=True,
-    reason="all-gather buckets move the same bytes, but Inductor re-fuses the copies out of the "
-    "bucket with neighbouring kernels and the CPU kernels then round differently",
-)
-def test_all_gather_bucketing_changes_no_bit():
-    _assert_bitwise("fsdp2", "all")
 
 
 def test_a2a_overlap_moe_layer(tc):
@@ -458,43 +444,57 @@ def test_trace_records_the_pass_plans(fake_world, tmp_path):
     assert sum(name.startswith("simplefsdp_a2a_overlap") for name in rendered) == 2, rendered
 
 
+class _BucketEvents:
+    """A post-grad pass that records, per graph, each collective's start and its first wait, named
+    by kind and block (``all_gather layers.0``, ``wait reduce_scatter root``), in graph order."""
+
+    def __init__(self):
+        self.graphs: list[str] = []
+
+    def __call__(self, graph: torch.fx.Graph) -> None:
+        position = {n: i for i, n in enumerate(graph.nodes)}
+        events = []
+        for node in graph.nodes:
+            collective = COLLECTIVES.get(op_name(node) or "")
+            if collective is None:
+                continue
+            name = f"{collective.kind} {node_block(node)}"
+            events += [(position[node], name), (min(position[w] for w in waits_of(node)), f"wait {name}")]
+        self.graphs.append("\n".join(name for _, name in sorted(events)))
+
+
 def test_prefetch_dense_blocks(tc):
     """FSDP8, 2 blocks, all-gathers bucketed per block: each block's gather is issued before the
-    previous block's wait, and each reduce-scatter is waited on one block later."""
+    previous block's first wait, and each reduce-scatter is waited on one block later."""
     from simplefsdp.passes.fsdp_prefetch import FSDPPrefetch
 
     torch._dynamo.reset()
     torch.manual_seed(0)
     model = simple_fsdp(Transformer(TransformerConfig(n_layers=2)), init_device_mesh("cpu", (8,), mesh_dim_names=("dp_shard",)))
     tokens = torch.randint(0, 256, (2, 8))
-    forward, backward = _graphs(model, tokens, [FSDPBucketing(), FSDPPrefetch()])
-    tc.assertExpectedInline(_runs(forward), """\
-all_gather_into_tensor[dp_shard] float32
-all_gather_into_tensor[dp_shard] float32
-wait all_gather_into_tensor[dp_shard]
-all_gather_into_tensor[dp_shard] float32
-wait all_gather_into_tensor[dp_shard]
-7 matmuls
-wait all_gather_into_tensor[dp_shard]
-8 matmuls""")
-    tc.assertExpectedInline(_runs(backward), """\
-1 matmuls
-all_gather_into_tensor[dp_shard] float32
-all_gather_into_tensor[dp_shard] float32
-wait all_gather_into_tensor[dp_shard]
-2 matmuls
-wait all_gather_into_tensor[dp_shard]
-13 matmuls
-reduce_scatter_tensor[dp_shard] avg float32
-all_gather_into_tensor[dp_shard] float32
-1 matmuls
-wait all_gather_into_tensor[dp_shard]
-13 matmuls
-wait reduce_scatter_tensor[dp_shard]
-reduce_scatter_tensor[dp_shard] avg float32
-wait reduce_scatter_tensor[dp_shard]
-reduce_scatter_tensor[dp_shard] avg float32
-wait reduce_scatter_tensor[dp_shard]""")
+    events = _BucketEvents()
+    _graphs(model, tokens, [FSDPBucketing(), FSDPPrefetch(), events])
+    forward, backward = events.graphs
+    tc.assertExpectedInline(forward, """\
+all_gather root
+all_gather layers.0
+wait all_gather root
+all_gather layers.1
+wait all_gather layers.0
+wait all_gather layers.1""")
+    tc.assertExpectedInline(backward, """\
+all_gather root
+all_gather layers.1
+wait all_gather root
+wait all_gather layers.1
+reduce_scatter layers.1
+all_gather layers.0
+wait all_gather layers.0
+wait reduce_scatter layers.1
+reduce_scatter layers.0
+wait reduce_scatter layers.0
+reduce_scatter root
+wait reduce_scatter root""")
 
 
 def _gloo_guard_body():
