@@ -2,8 +2,12 @@
 
 Every module with parameters defines ``reset_parameters()``, so a model built under
 ``torch.manual_seed(s)`` is deterministic and a model built on the meta device can be initialized
-by ``simple_fsdp`` one module at a time with the same values. Rotary tables are computed in forward
-(no buffers), so nothing on the meta device is left uninitialized.
+by ``simple_fsdp`` one module at a time with the same values.
+
+The rotary tables are non-persistent fp32 buffers of :class:`RotaryTables`, computed once (in its
+``reset_parameters()``, so also for a meta-built model) for ``max_seq_len`` positions and sliced in
+forward. Computed in forward instead, they would be part of the compiled graph, and Inductor would
+recompute the cos and sin inside every layer's rotary kernels, forward and backward.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ class TransformerConfig:
     ffn_dim: int = 160
     norm_eps: float = 1e-5
     rope_theta: float = 10000.0
+    max_seq_len: int = 2048  # positions the rotary tables cover
 
     @property
     def head_dim(self) -> int:
@@ -47,11 +52,32 @@ class RMSNorm(nn.Module):
         return normed.type_as(x) * self.weight
 
 
-def rotary_tables(seq_len: int, head_dim: int, theta: float, device) -> tuple[torch.Tensor, torch.Tensor]:
+def rotary_tables(seq_len: int, head_dim: int, theta: float, device=None) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin of shape [seq_len, head_dim // 2] for rotary position embeddings."""
     inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim)
     angles = torch.outer(torch.arange(seq_len, device=device, dtype=torch.float32), inv_freq)
     return angles.cos(), angles.sin()
+
+
+class RotaryTables(nn.Module):
+    """:func:`rotary_tables` for ``max_seq_len`` positions, as buffers; forward slices them."""
+
+    def __init__(self, cfg: TransformerConfig):
+        super().__init__()
+        self.head_dim, self.theta = cfg.head_dim, cfg.rope_theta
+        self.register_buffer("cos", torch.empty(cfg.max_seq_len, cfg.head_dim // 2), persistent=False)
+        self.register_buffer("sin", torch.empty(cfg.max_seq_len, cfg.head_dim // 2), persistent=False)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        cos, sin = rotary_tables(len(self.cos), self.head_dim, self.theta, self.cos.device)
+        self.cos.copy_(cos)
+        self.sin.copy_(sin)
+
+    def forward(self, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if seq_len > len(self.cos):
+            raise ValueError(f"sequence length {seq_len} exceeds the model's max_seq_len {len(self.cos)}")
+        return self.cos[:seq_len], self.sin[:seq_len]
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -133,9 +159,10 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleList(TransformerBlock(cfg, i, make_mlp) for i in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        self.rotary = RotaryTables(cfg)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        cos, sin = rotary_tables(tokens.shape[1], self.cfg.head_dim, self.cfg.rope_theta, tokens.device)
+        cos, sin = self.rotary(tokens.shape[1])
         h = self.tok_embeddings(tokens)
         for layer in self.layers:
             h = layer(h, cos, sin)

@@ -91,7 +91,8 @@ class JobConfig:
     metrics: Metrics = field(default_factory=Metrics)
 
     def model_config(self) -> TransformerConfig:
-        fields = dict(self.model)
+        """The model's config; its rotary tables cover ``training.seq_len`` unless ``model.max_seq_len`` says."""
+        fields = {"max_seq_len": self.training.seq_len, **self.model}
         return MODEL_KINDS[fields.pop("kind")](**fields)
 
     @property
@@ -260,6 +261,7 @@ def validate(cfg: JobConfig, world: int) -> None:
     _check(t.steps >= 1, "training.steps", f"must be >= 1, got {t.steps}")
     _check(t.lr > 0 and math.isfinite(t.lr), "training.lr", f"must be a positive number, got {t.lr}")
     _check(t.seq_len >= 1, "training.seq_len", f"must be >= 1, got {t.seq_len}")
+    _check(t.seq_len <= m.max_seq_len, "training.seq_len", f"{t.seq_len} exceeds model.max_seq_len {m.max_seq_len}")
     dp = d["dp_replicate"] * d["dp_shard"]
     _check(t.global_batch >= dp and t.global_batch % dp == 0, "training.global_batch",
            f"{t.global_batch} sequences do not split evenly over {dp} data-parallel ranks")
@@ -285,5 +287,10 @@ def validate(cfg: JobConfig, world: int) -> None:
 
 
 def model_fingerprint(cfg: JobConfig) -> str:
-    """The model section as canonical JSON: checkpoints of different models never mix."""
-    return json.dumps(dataclasses.asdict(cfg.model_config()) | {"kind": cfg.model["kind"]}, sort_keys=True)
+    """The model section as canonical JSON: checkpoints of different models never mix.
+
+    ``max_seq_len`` is left out: it sizes the rotary tables, which are not saved.
+    """
+    fields = dataclasses.asdict(cfg.model_config())
+    del fields["max_seq_len"]
+    return json.dumps(fields | {"kind": cfg.model["kind"]}, sort_keys=True)

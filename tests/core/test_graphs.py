@@ -148,9 +148,7 @@ def test_one_compiled_graph_serves_every_block(fake_world):
     counters.clear()
     model = simple_fsdp(Transformer(TransformerConfig(n_layers=3)), mesh)
     h = torch.randn(2, 8, 64, requires_grad=True)
-    from simplefsdp.models.llama import rotary_tables
-
-    cos, sin = rotary_tables(8, 16, 10000.0, "cpu")
+    cos, sin = model.rotary(8)
     for block in model.layers:
         h = torch.compile(block, backend="eager")(h, cos, sin)
     assert counters["stats"]["unique_graphs"] == 1

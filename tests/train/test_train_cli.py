@@ -67,6 +67,7 @@ def _error(capsys, *argv) -> str:
         (MOE, ["--model.num_shared_experts", -1], "model.num_shared_experts: must be >= 0, got -1"),
         (DENSE, ["--model.rope_theta", 0], "model.rope_theta: must be a positive number, got 0"),
         (DENSE, ["--model.norm_eps", -1e-5], "model.norm_eps: must be >= 0, got -1e-05"),
+        (DENSE, ["--model.max_seq_len", 16, "--training.seq_len", 32], "training.seq_len: 32 exceeds model.max_seq_len 16"),
         (DENSE, ["--training.lr", "nan"], "training.lr: must be a positive number, got nan"),
         (DENSE, ["--training.lr", "inf"], "training.lr: must be a positive number, got inf"),
     ],
