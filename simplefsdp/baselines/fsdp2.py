@@ -2,10 +2,18 @@
 
 Used by the parity tests and the benchmarks to compare SimpleFSDP with FSDP2 on the same model,
 data and mesh. Each transformer block and the root are ``fully_shard`` units. With ``ep > 1`` the
-routed experts keep only their ep rank's slice of the expert dim, use the same
-:class:`~simplefsdp.moe.token_dispatch.TokenDispatcher` dispatch, and are a ``fully_shard`` unit of
-their own on the edp mesh (a separate unit works on torch 2.11, which lacks per-parameter meshes).
-Their gradients are summed and divided by the whole dp degree, like SimpleFSDP's experts.
+routed experts keep only their ep rank's slice of the expert dim and use the same
+:class:`~simplefsdp.moe.token_dispatch.TokenDispatcher` dispatch; they are FSDP-sharded on the
+edp mesh in one of two forms:
+
+* ``experts_in_blocks=True`` (the default where torch has ``ShardPlacementResult``, 2.13): one
+  ``fully_shard`` per block, whose ``shard_placement_fn`` puts the experts' parameters on the edp
+  mesh and every other parameter on the dense mesh, as upstream FSDP2 now shards MoE models. A
+  block is then one unit, which is what lets FSDP2 compile MoE blocks one by one;
+* ``experts_in_blocks=False`` (torch 2.11): the experts are a ``fully_shard`` unit of their own.
+
+Either way the experts' gradients are summed and divided by the whole dp degree, like
+SimpleFSDP's experts (a block unit divides its dense gradients by that same degree).
 """
 
 from __future__ import annotations
@@ -18,11 +26,36 @@ from simplefsdp.moe.token_dispatch import TokenDispatcher, is_routed_experts
 from simplefsdp.mesh_layout import DP_REPLICATE, resolve_layout
 from simplefsdp.sharding import local_experts
 
+try:  # torch >= 2.13: a parameter of a unit may live on a mesh of its own
+    from torch.distributed.fsdp._fully_shard._fsdp_common import FSDPMeshInfo, HSDPMeshInfo, ShardPlacementResult
+except ImportError:
+    ShardPlacementResult = None
+
 
 def _keep_local_experts(module: nn.Module, ep_mesh) -> None:
     for name, param in list(module.named_parameters(recurse=False)):
         module._parameters[name] = nn.Parameter(local_experts(param, ep_mesh), requires_grad=param.requires_grad)
     module.expert_parallel = TokenDispatcher(ep_mesh, module.num_experts)
+
+
+def _expert_mesh(experts):
+    """The mesh FSDP2 shards routed experts over: edp, with dp_replicate in front for HSDP."""
+    if experts.edp > 1:
+        names = (DP_REPLICATE, "edp") if experts.replicate_mesh is not None else ("edp",)
+    elif experts.replicate_mesh is None:
+        raise ValueError("the FSDP2 baseline needs edp > 1 or a dp_replicate dim for the experts")
+    else:
+        # FSDP2 applies gradient_divide_factor twice when its shard group has one rank (once
+        # in place of the reduce-scatter, once after it), so with edp == 1 the experts are
+        # sharded over dp_replicate instead: the same sum over the same ranks
+        names = (DP_REPLICATE,)
+    return experts.mesh[names] if len(names) > 1 else experts.mesh[names[0]]
+
+
+def _sum_then_divide(unit, dp_degree: int) -> None:
+    unit.set_gradient_divide_factor(float(dp_degree))
+    if hasattr(unit, "set_force_sum_reduction_for_comms"):
+        unit.set_force_sum_reduction_for_comms(True)
 
 
 def fsdp2(
@@ -32,32 +65,45 @@ def fsdp2(
     ep: int = 1,
     mp_policy: MixedPrecisionPolicy | None = None,
     reshard_after_forward: bool = True,
+    experts_in_blocks: bool | None = None,
 ) -> nn.Module:
-    """Apply FSDP2 to ``model`` (blocks in ``model.layers``, then the root); returns ``model``."""
+    """Apply FSDP2 to ``model`` (blocks in ``model.layers``, then the root); returns ``model``.
+
+    ``experts_in_blocks``: shard routed experts inside their block's unit (needs torch's
+    ``ShardPlacementResult``) or as units of their own; None: in blocks where torch can.
+    """
+    if experts_in_blocks is None:
+        experts_in_blocks = ShardPlacementResult is not None
+    if experts_in_blocks and ShardPlacementResult is None:
+        raise ValueError("experts_in_blocks=True needs torch's FSDP2 ShardPlacementResult (torch >= 2.13)")
     layout = resolve_layout(mesh, None, ep)
     kwargs = dict(mp_policy=mp_policy or MixedPrecisionPolicy(), reshard_after_forward=reshard_after_forward)
     experts = layout.experts
+    placements = {}  # routed-expert parameter -> (placement, mesh)
     if experts is not None:
-        if experts.edp > 1:
-            names = (DP_REPLICATE, "edp") if experts.replicate_mesh is not None else ("edp",)
-        elif experts.replicate_mesh is None:
-            raise ValueError("the FSDP2 baseline needs edp > 1 or a dp_replicate dim for the experts")
-        else:
-            # FSDP2 applies gradient_divide_factor twice when its shard group has one rank (once
-            # in place of the reduce-scatter, once after it), so with edp == 1 the experts are
-            # sharded over dp_replicate instead: the same sum over the same ranks
-            names = (DP_REPLICATE,)
-        expert_mesh = experts.mesh[names] if len(names) > 1 else experts.mesh[names[0]]
+        expert_mesh = _expert_mesh(experts)
         for module in model.modules():
             if not is_routed_experts(module):
                 continue
             _keep_local_experts(module, experts.ep_mesh)
-            dim = experts.fsdp_dim(module.num_experts)
-            fully_shard(module, mesh=expert_mesh, shard_placement_fn=lambda p, d=dim: Shard(d), **kwargs)
-            module.set_gradient_divide_factor(float(layout.dp_degree))
-            if hasattr(module, "set_force_sum_reduction_for_comms"):
-                module.set_force_sum_reduction_for_comms(True)
+            placement = Shard(experts.fsdp_dim(module.num_experts))
+            if experts_in_blocks:
+                placements.update({p: placement for p in module.parameters()})
+            else:
+                fully_shard(module, mesh=expert_mesh, shard_placement_fn=lambda p, s=placement: s, **kwargs)
+                _sum_then_divide(module, layout.dp_degree)
+    if placements:
+        info = (
+            HSDPMeshInfo(expert_mesh, shard_mesh_dim=1, replicate_mesh_dim=0)
+            if expert_mesh.ndim == 2
+            else FSDPMeshInfo(expert_mesh, shard_mesh_dim=0)
+        )
+        place = lambda p: ShardPlacementResult(placements[p], info) if p in placements else None
     for block in model.layers:
-        fully_shard(block, mesh=layout.dp_mesh, **kwargs)
+        if placements and any(p in placements for p in block.parameters()):
+            fully_shard(block, mesh=layout.dp_mesh, shard_placement_fn=place, **kwargs)
+            _sum_then_divide(block, layout.dp_degree)
+        else:
+            fully_shard(block, mesh=layout.dp_mesh, **kwargs)
     fully_shard(model, mesh=layout.dp_mesh, **kwargs)
     return model

@@ -15,6 +15,7 @@ import torch
 from torch.distributed.device_mesh import init_device_mesh
 
 from simplefsdp import simple_fsdp
+from simplefsdp.baselines.fsdp2 import ShardPlacementResult, fsdp2
 from simplefsdp.models.moe import MoEConfig
 from simplefsdp.train.launch import run_ranks
 from tests import training as T
@@ -58,8 +59,9 @@ GROUP_OF = {run: group for group, runs in GROUPS.items() for run in runs}
 assert GROUP_OF.keys() == RUNS.keys()
 
 
-def _run_param(run: str):
-    return run if GROUP_OF[run] == "eager" else pytest.param(run, marks=pytest.mark.slow)
+def _run_param(run: str, *more):
+    """A test parameter for ``run`` (and ``more`` values), slow unless the run is in the eager launch."""
+    return pytest.param(run, *more, marks=() if GROUP_OF[run] == "eager" else pytest.mark.slow)
 
 
 @pytest.fixture(scope="module")
@@ -80,20 +82,28 @@ def test_expert_parallel_matches_single_process(run, references):
     assert losses[-1] < 0.7 * losses[0]
 
 
-def _fsdp2_key(run: str) -> str:
+# the FSDP2 baseline's two forms (see simplefsdp/baselines/fsdp2.py): experts sharded inside their
+# block's unit where torch has ShardPlacementResult (2.13), and as units of their own (2.11)
+FSDP2_FORMS = {"blocks": True, "separate": False} if ShardPlacementResult is not None else {"separate": False}
+
+
+def _fsdp2_key(run: str, form: str) -> str:
     cfg, shape, names, _, _ = RUNS[run]
-    return f"fsdp2/{cfg}/{'x'.join(map(str, shape))}/{'.'.join(names)}"
+    return f"fsdp2/{form}/{cfg}/{'x'.join(map(str, shape))}/{'.'.join(names)}"
 
 
-# FSDP2's baseline has no tensor parallelism for experts: compare runs without a tp dim
-FSDP2_RUNS = [r for r in RUNS if "tp" not in RUNS[r][2]]
+# FSDP2's baseline has no tensor parallelism for experts: compare runs without a tp dim; eager
+# runs with each form, compiled runs with the default one
+FSDP2_RUNS = [
+    (r, form) for r in RUNS if "tp" not in RUNS[r][2] for form in (FSDP2_FORMS if r.endswith("/eager") else list(FSDP2_FORMS)[:1])
+]
 
 
-@pytest.mark.parametrize("run", [_run_param(r) for r in FSDP2_RUNS])
-def test_expert_parallel_matches_fsdp2(run):
+@pytest.mark.parametrize("run,form", [_run_param(*rf) for rf in FSDP2_RUNS])
+def test_expert_parallel_matches_fsdp2(run, form):
     """Eager runs (with or without checkpointing) are bitwise equal to FSDP2; compiled runs close."""
     losses, state = T.launch_once(_body, 4, GROUP_OF[run])[run]
-    fsdp2_losses, fsdp2_state = T.launch_once(_body, 4, "eager")[_fsdp2_key(run)]
+    fsdp2_losses, fsdp2_state = T.launch_once(_body, 4, "eager")[_fsdp2_key(run, form)]
     # FSDP2's experts hold rank 0's ep slice: compare those rows of ours
     ours = {k: v[: fsdp2_state[k].shape[0]] for k, v in state.items()}
     loss_diff, param_diff = T.report(f"{run} vs fsdp2", losses, fsdp2_losses, ours, fsdp2_state)
@@ -121,13 +131,11 @@ def _moe_layer_graphs():
     return graphs
 
 
-def _fsdp2_run(cfg, mesh):
+def _fsdp2_run(cfg, mesh, experts_in_blocks: bool):
     """FSDP2 with EP: losses, and its ep rank's experts / dense parameters as full tensors."""
     import torch.distributed as dist
 
-    from simplefsdp.baselines.fsdp2 import fsdp2
-
-    model = fsdp2(T.build_model(CONFIGS[cfg]), mesh, ep=2)
+    model = fsdp2(T.build_model(CONFIGS[cfg]), mesh, ep=2, experts_in_blocks=experts_in_blocks)
     losses = T.train(model, T.batches(CONFIGS[cfg]), dp_rank=dist.get_rank(), dp_size=dist.get_world_size())
     return losses, T.full_state(model)
 
@@ -139,8 +147,9 @@ def _body(group: str):
         model, runner, dp_rank, dp_size = T.wrapped_run(CONFIGS[cfg], shape, names, 2, ac=ac, compiled=compiled)
         losses = T.train(runner, T.batches(CONFIGS[cfg]), dp_rank=dp_rank, dp_size=dp_size)
         out[name] = losses, T.full_state(model)
-        if group == "eager" and "tp" not in names and _fsdp2_key(name) not in out:
-            out[_fsdp2_key(name)] = _fsdp2_run(cfg, init_device_mesh("cpu", shape, mesh_dim_names=names))
+        for form, in_blocks in FSDP2_FORMS.items() if group == "eager" and "tp" not in names else ():
+            if _fsdp2_key(name, form) not in out:
+                out[_fsdp2_key(name, form)] = _fsdp2_run(cfg, init_device_mesh("cpu", shape, mesh_dim_names=names), in_blocks)
     return out
 
 
