@@ -63,26 +63,39 @@ PROFILED = ("SimpleFSDP compiled", "FSDP2 eager")
 
 
 class StepTimer:
-    """Times one step: CUDA events on a GPU, the wall clock elsewhere."""
+    """Times one step, and its phases between :meth:`mark` calls: CUDA events on a GPU, the wall
+    clock elsewhere."""
 
     def __init__(self, device: torch.device):
         self.cuda = device.type == "cuda"
+        self.marks: list[tuple[str, object]] = []
+
+    def _now(self):
+        if not self.cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def mark(self, phase: str) -> None:
+        self.marks.append((phase, self._now()))
 
     def __enter__(self):
         self.wall = time.perf_counter()
-        if self.cuda:
-            self.start, self.end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            self.start.record()
+        self.start = self._now()
         return self
 
     def __exit__(self, *exc):
+        end = self._now()
         if self.cuda:
-            self.end.record()
-            self.end.synchronize()
-            self.seconds = self.start.elapsed_time(self.end) / 1e3
+            end.synchronize()
+        elapsed = (lambda a, b: a.elapsed_time(b) / 1e3) if self.cuda else (lambda a, b: b - a)
+        self.seconds = elapsed(self.start, end)
+        self.phases, previous = {}, self.start
+        for phase, event in self.marks:
+            self.phases[phase] = elapsed(previous, event)
+            previous = event
         self.wall = time.perf_counter() - self.wall
-        if not self.cuda:
-            self.seconds = self.wall
 
 
 def _union(intervals) -> list[list[float]]:
@@ -161,18 +174,20 @@ def run_one(model_name: str, mode: str, ac: str, *, warmup: int, steps: int, dev
     def step(i: int) -> None:
         batch = tuple(x.to(device) for x in rank_slice(stream.batch(i), dp_rank, dp_size))
         with StepTimer(device) as timer:
-            loss, _ = train_step(runner, optimizer, batch, params=params, dp_size=dp_size, max_norm=t.max_norm)
+            loss, _ = train_step(runner, optimizer, batch, params=params, dp_size=dp_size, max_norm=t.max_norm,
+                                 mark=timer.mark)
         losses.append(loss)
         timers.append(timer)
 
     for i in range(warmup + steps):
         step(i)
     median = statistics.median(tm.seconds for tm in timers[warmup:])
+    phases = {phase: 1e3 * statistics.median(tm.phases[phase] for tm in timers[warmup:]) for phase in timers[-1].phases}
     tokens_per_s = t.global_batch * t.seq_len / median
     peak = peak_flops(device)
     row = dict(
         model=model_name, ac=ac, mode=mode, world=world, tokens_per_step=t.global_batch * t.seq_len,
-        tokens_per_s=tokens_per_s, step_ms=1e3 * median,
+        tokens_per_s=tokens_per_s, step_ms=1e3 * median, phase_ms=phases,
         mfu=tokens_per_s * flops_per_token(cfg.model_config(), t.seq_len) / (world * peak) if peak else None,
         compile_s=sum(tm.wall for tm in timers[:warmup]) - warmup * median if compiled else None,
         first_step_s=timers[0].wall, losses=list(losses),
@@ -227,6 +242,11 @@ def markdown(results: list[dict]) -> str:
               {True: "bitwise", False: "differ", None: None}[r.get("losses_equal_no_passes")]]
              if "error" not in r else [r["model"], r["ac"], r["mode"], "failed: " + r["error"]] + [None] * 8
              for r in rows]))
+        split = [r for r in rows if r.get("phase_ms")]
+        if split:
+            out.append("\nStep split (median ms of each phase; the optimizer phase includes zero_grad):\n")
+            phases = list(split[0]["phase_ms"])
+            out.append(table(["model", "AC", "run", *phases], [[r["model"], r["ac"], r["mode"], *r["phase_ms"].values()] for r in split]))
         profiled = [r for r in rows if "profile" in r]
         if profiled:
             out.append("\nGPU time per step from the torch profiler (NCCL kernels = communication):\n")

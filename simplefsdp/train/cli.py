@@ -36,14 +36,22 @@ from simplefsdp.tracing import trace
 PROG = "simplefsdp-train"
 
 
-def train_step(runner, optimizer, batch, *, params, dp_size: int, max_norm: float = 0.0) -> tuple[float, float]:
-    """One AdamW step on this rank's slice ``batch``; the global mean loss and the gradient norm."""
+def train_step(runner, optimizer, batch, *, params, dp_size: int, max_norm: float = 0.0, mark=None) -> tuple[float, float]:
+    """One AdamW step on this rank's slice ``batch``; the global mean loss and the gradient norm.
+
+    ``mark(phase)``, if given, is called as each phase ends: ``"forward+backward"``, ``"clip"``,
+    ``"optimizer"`` (the benchmarks time the phases with it).
+    """
+    mark = mark or (lambda phase: None)
     tokens, labels = batch
     loss = cross_entropy_loss(runner(tokens), labels)
     loss.backward()
+    mark("forward+backward")
     norm = clip_grads_(params, max_norm)
+    mark("clip")
     optimizer.step()
     optimizer.zero_grad()
+    mark("optimizer")
     reported = loss.detach().clone()
     if dp_size > 1:
         dist.all_reduce(reported, op=dist.ReduceOp.AVG)
