@@ -138,6 +138,21 @@ def test_step_time_comparisons():
     assert "| moe   | none | SimpleFSDP compiled " in text and "1.50" in text and "bitwise" in text
 
 
+def test_step_split_times_each_phase_of_train_step():
+    from simplefsdp.train.cli import train_step
+
+    model = torch.nn.Sequential(torch.nn.Embedding(16, 8), torch.nn.Linear(8, 16))
+    optimizer = torch.optim.AdamW(model.parameters())
+    tokens = torch.randint(0, 16, (2, 4))
+    with step_time.StepTimer(torch.device("cpu")) as timer:
+        train_step(model, optimizer, (tokens, tokens), params=list(model.parameters()), dp_size=1, mark=timer.mark)
+    assert list(timer.phases) == ["forward+backward", "clip", "optimizer"]
+    assert all(t >= 0 for t in timer.phases.values()) and sum(timer.phases.values()) <= timer.seconds
+    row = {**_row("SimpleFSDP compiled", 1.0, 1.0, [1.0]), "phase_ms": {"forward+backward": 120.0, "clip": 5.8, "optimizer": 13.6}}
+    text = step_time.markdown([dict(environment="GPU", command="cmd", warmup=1, steps=2, rows=[row])])
+    assert "| forward+backward | clip | optimizer |" in text and "| 120.0 " in text
+
+
 def test_grouped_offsets_pad_each_group():
     counts = torch.tensor([1, 16, 0, 17])
     assert moe_kernels.offsets(counts).tolist() == [16, 32, 32, 64]
