@@ -42,17 +42,21 @@ def _policy(save: frozenset, ctx, func, *args, **kwargs) -> CheckpointPolicy:
     return CheckpointPolicy.PREFER_RECOMPUTE
 
 
+def _saved(mode: str) -> frozenset:
+    return frozenset(_COMM_TO_SAVE | (_COMPUTE_TO_SAVE if mode == "selective" else set()))
+
+
 def _context_fn(mode: str):
-    save = _COMM_TO_SAVE | (_COMPUTE_TO_SAVE if mode == "selective" else set())
-    return create_selective_checkpoint_contexts(functools.partial(_policy, frozenset(save)))
+    return create_selective_checkpoint_contexts(functools.partial(_policy, _saved(mode)))
 
 
 def apply_activation_checkpointing(model: nn.Module, mode: str = "full") -> nn.Module:
     """Wrap every block of ``model.layers`` in a checkpoint (in place; returns ``model``)."""
     if mode not in MODES:
         raise ValueError(f"activation checkpointing mode must be one of {MODES}; got {mode!r}")
+    context_fn = functools.partial(_context_fn, mode)
+    # a stable hash lets AOTAutograd cache graphs with these regions (see param_gather.py)
+    context_fn.cache_hash = f"simplefsdp.activation_checkpoint: saves {sorted(map(str, _saved(mode)))} and random ops"
     for i, block in enumerate(model.layers):
-        model.layers[i] = checkpoint_wrapper(
-            block, context_fn=functools.partial(_context_fn, mode), preserve_rng_state=False
-        )
+        model.layers[i] = checkpoint_wrapper(block, context_fn=context_fn, preserve_rng_state=False)
     return model

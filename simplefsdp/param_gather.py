@@ -42,6 +42,11 @@ def _recompute_context():
     return create_selective_checkpoint_contexts(_recompute_everything)
 
 
+# AOTAutograd caches a graph with a selective-checkpoint region only when the region's context_fn
+# names a stable hash (torch 2.13; older torch ignores it): without one, every compile is cold
+_recompute_context.cache_hash = "simplefsdp.param_gather: MUST_RECOMPUTE every op"
+
+
 class _QuietContextFnNotice(logging.Filter):
     """Drop torch's notice that a ``context_fn`` reached a compiled checkpoint (one per rank).
 

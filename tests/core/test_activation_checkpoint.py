@@ -83,3 +83,21 @@ def test_compiled_checkpointed_blocks(fake_world):
     cross_entropy_loss(torch.compile(model, fullgraph=True, backend="aot_eager")(tokens), tokens).backward()
     for name, param in model.named_parameters():  # backward ran through the checkpointed block
         assert param.grad is not None and param.grad.shape == param.shape, name
+
+
+def test_checkpointed_graphs_are_cacheable(fake_world):
+    """Each mode's region names its own stable hash, so AOTAutograd can cache the graph (torch
+    2.13 bypasses its cache for a region whose context_fn has none)."""
+    from torch._functorch._aot_autograd import autograd_cache
+
+    collect = getattr(autograd_cache, "_collect_context_fn_hashes", None)
+    if collect is None:
+        pytest.skip("this torch keys no SAC context_fn")
+    hashes = {}
+    for m in ("full", "selective"):
+        graphs = []
+        torch._dynamo.reset()
+        model = apply_activation_checkpointing(Transformer(TransformerConfig(n_layers=1)), m)
+        torch.compile(model, backend=lambda gm, _: graphs.append(gm) or gm, fullgraph=True)(torch.randint(0, 256, (2, 8)))
+        hashes[m] = set(collect(graphs[0]))
+    assert all(len(h) == 1 for h in hashes.values()) and hashes["full"] != hashes["selective"]

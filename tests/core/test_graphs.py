@@ -153,3 +153,23 @@ def test_one_compiled_graph_serves_every_block(fake_world):
         h = torch.compile(block, backend="eager")(h, cos, sin)
     assert counters["stats"]["unique_graphs"] == 1
     assert len({type(block.attention.wq) for block in model.layers}) == 1
+
+
+def test_gather_regions_let_aotautograd_cache_the_graph(fake_world):
+    """A selective-checkpoint region without a stable context_fn hash makes AOTAutograd bypass its
+    cache for the whole graph (torch 2.13), so every compile would be cold."""
+    from torch._functorch._aot_autograd import autograd_cache
+
+    collect = getattr(autograd_cache, "_collect_context_fn_hashes", None)
+    if collect is None:
+        pytest.skip("this torch keys no SAC context_fn")
+    hashes = []
+
+    def backend(gm, example_inputs):
+        hashes.extend(collect(gm))  # raises BypassAOTAutogradCache for a region without one
+        return gm
+
+    torch._dynamo.reset()
+    model = simple_fsdp(FeedForward(16, 32), init_device_mesh("cpu", (8,), mesh_dim_names=("dp_shard",)))
+    torch.compile(model, backend=backend, fullgraph=True)(torch.randn(4, 16))
+    assert len(hashes) == 3 and len(set(hashes)) == 1  # one region per weight, all one policy
