@@ -162,6 +162,8 @@ def run(cfg: JobConfig, start_step: int) -> list[float]:
         print(f"{PROG}: {cfg.name}: {cfg.model['kind']} model, {_count_params(model) / 1e6:.2f}M parameters; "
               f"{what} {how} on {world} {device.type} ranks ({' x '.join(degrees) or 'one rank'}); "
               f"{'resuming after step ' + str(start_step) if start_step else 'from scratch'}; out {cfg.out_dir}", flush=True)
+        if t.compile:
+            print(f"{PROG}: the first step compiles the model (a minute or more; minutes on a few CPU cores)", flush=True)
 
     params = list(model.parameters())
     losses = []

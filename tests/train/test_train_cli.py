@@ -115,6 +115,7 @@ def test_debug_moe_trains_compiled_on_4_ranks(tmp_path, capfd):
     losses = _train(MOE, tmp_path, "--checkpoint.interval", 0)
     out = capfd.readouterr().out  # rank 0 prints: its fd, not this process's sys.stdout
     assert "SimpleFSDP compiled with passes on 4 cpu ranks (dp_shard 4 x ep 2)" in out
+    assert "the first step compiles the model" in out  # the first step's minutes are not silent
     assert "step 30/30 [####################]" in out
     assert len(losses) == 30 and losses[-1] < 0.5 * math.log(256), losses
     assert sorted(os.listdir(tmp_path / "checkpoints")) == ["model.json", "step-00000030"]
