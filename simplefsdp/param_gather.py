@@ -9,7 +9,10 @@ for ``Shard``, nothing for ``Replicate``), handing on a local tensor whose gradi
 (``forward_dtype`` / ``backward_dtype``). Under tensor parallelism the result is handed to
 compute as a DTensor on the ``tp`` mesh; routed experts gather over ``edp`` only.
 
-With ``reshard_after_forward`` the gathered tensor must not live from forward to backward:
+With ``reshard_after_forward`` the gathered tensor must not live from forward to backward, nor,
+where nothing is gathered (one rank, or replicate), the copy cast to ``param_dtype``: FSDP2 frees
+its unsharded parameters after forward at any world size, and Inductor's partitioner would
+otherwise save every cast weight for backward (at world 1, about 0.3 GiB per gpu_moe layer):
 
 * under ``torch.compile`` the gather runs inside a selective-checkpoint region whose policy marks
   every op ``MUST_RECOMPUTE``, so the partitioner re-gathers in the backward graph;
@@ -135,7 +138,8 @@ class ParamGather:
         return torch.Size(shape), torch.empty(shape, device="meta").stride()
 
     def __call__(self, param: DTensor) -> torch.Tensor:
-        if not (self.reshard_after_forward and self.gathers and torch.is_grad_enabled()):
+        casts = self.param_dtype is not None and param.dtype != self.param_dtype
+        if not (self.reshard_after_forward and (self.gathers or casts) and torch.is_grad_enabled()):
             return self.gather(param)
         if torch.compiler.is_compiling():
             return checkpoint(
