@@ -37,7 +37,6 @@ import argparse
 import contextlib
 import dataclasses
 import json
-import operator
 import os
 import time
 from unittest import mock
@@ -59,7 +58,7 @@ from simplefsdp.train.metrics import flops_per_token
 from simplefsdp.models.llama import cross_entropy_loss
 from simplefsdp.passes import SimpleFSDPPasses
 from simplefsdp.passes.ops import COLLECTIVES, MATMULS
-from simplefsdp.passes.fx_utils import collective_group, op_name
+from simplefsdp.passes.fx_utils import collective_group, op_name, waited_collective
 from simplefsdp.train.cli import build
 
 from report import command_line, environment, output_arguments, publish, table
@@ -183,10 +182,7 @@ def snapshot(graph: torch.fx.Graph, unbacked: dict) -> list[Node]:
             val = [n.meta["val"] for n in side] if isinstance(side, (list, tuple)) else side.meta["val"]
             out.append(Node(node.name, "collective", collective.kind, collective_group(call), _nbytes(val, unbacked)))
         elif name == "wait_tensor":
-            waited = node.args[2] if call is not node else node.args[0]
-            if waited.target is operator.getitem:  # one output of a coalesced collective
-                waited = waited.args[0]
-            out.append(Node(node.name, "wait", name, waits_for=waited.name))
+            out.append(Node(node.name, "wait", name, waits_for=waited_collective(node, call).name))
         elif flops := _flops(name or "", call, unbacked):
             out.append(Node(node.name, "compute", name, flops=flops))
     return out

@@ -13,6 +13,7 @@ difference per step (times the config's layers).
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import sys
@@ -70,8 +71,6 @@ def main() -> None:
     output_arguments(p)
     args = p.parse_args()
     if args.report:
-        import json
-
         result = json.load(open(args.report))
     else:
         cfg = load(args.config, [])

@@ -7,7 +7,7 @@ bucket on the dense dp mesh and one on the expert (edp) mesh, and collectives of
 process groups are never mixed. Before and after, for one block on 8 ranks::
 
     all_gather[dp_shard](wq) wait mm ... all_gather[dp_shard](w2) wait mm
-    ->  all_gather[dp_shard](wq|wk|...|w2) wait  mm ... mm
+    ->  all_gather_coalesced[dp_shard](wq, wk, ..., w2) wait[0] mm ... wait[6] mm
 
 A parameter's block (:func:`fx_utils.block_of`) is the path of its module up to the first list index (``layers.3``);
 parameters outside any list (embeddings, final norm, output) share the ``root`` bucket, as

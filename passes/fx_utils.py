@@ -81,6 +81,14 @@ def waits_of(start: torch.fx.Node) -> list[torch.fx.Node]:
     return [u for out in outputs for u in out.users if op_name(u) == "wait_tensor"]
 
 
+def waited_collective(wait: torch.fx.Node, call: torch.fx.Node) -> torch.fx.Node:
+    """The collective a ``wait_tensor`` node waits for. ``call`` is the wait op itself, or for a
+    wait a pass pinned with ``control_deps`` (args ``(deps, subgraph, input)``) the op it wraps;
+    the wait on one output of a coalesced collective reads it through ``getitem``."""
+    waited = wait.args[2] if call is not wait else wait.args[0]
+    return waited.args[0] if waited.op == "call_function" and waited.target is operator.getitem else waited
+
+
 def collective_group(node: torch.fx.Node) -> str | None:
     """The process-group name a functional collective runs on, None for other nodes."""
     collective = COLLECTIVES.get(op_name(node) or "")

@@ -9,13 +9,13 @@ it is active, since a cache hit skips the pass.
 from __future__ import annotations
 
 import contextlib
-import operator
 
 import torch
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
 from simplefsdp.param_access import WRAPPED_ATTR
 from simplefsdp.passes import SimpleFSDPPasses
+from simplefsdp.passes.fx_utils import waited_collective
 from simplefsdp.passes.ops import COLLECTIVES, MATMULS
 
 
@@ -47,10 +47,7 @@ def describe(graph: torch.fx.Graph, group_names: dict[str, str]) -> list[str]:
             started[node] = f"{shown}[{group_names.get(group, group)}]"
             lines.append(f"{started[node]}{extra} {_dtype(call.args[0])}")
         elif name == "wait_tensor":
-            waited = node.args[2] if call is not node else node.args[0]  # wrapped: (deps, subgraph, input)
-            if getattr(waited, "target", None) is operator.getitem:  # one output of a coalesced collective
-                waited = waited.args[0]
-            lines.append(f"wait {started.get(waited, '?')}")
+            lines.append(f"wait {started.get(waited_collective(node, call), '?')}")
         elif name in MATMULS:
             lines.append(f"{name} {_dtype(node)}")
     return lines

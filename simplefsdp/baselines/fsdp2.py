@@ -79,7 +79,7 @@ def fsdp2(
     layout = resolve_layout(mesh, None, ep)
     kwargs = dict(mp_policy=mp_policy or MixedPrecisionPolicy(), reshard_after_forward=reshard_after_forward)
     experts = layout.experts
-    placements = {}  # routed-expert parameter -> (placement, mesh)
+    placements = {}  # routed-expert parameter -> its Shard placement on the expert mesh (in-block form)
     if experts is not None:
         expert_mesh = _expert_mesh(experts)
         for module in model.modules():
