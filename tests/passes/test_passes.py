@@ -515,6 +515,12 @@ def _gloo_guard_body():
         y = torch.mm(x, x)
         return torch.mm(y, c10d.wait_tensor(a0)) + torch.mm(y, c10d.wait_tensor(a1))
 
+    def coalesced_step(w0, w1, w2, x):  # a coalesced bucket, then another gather
+        a01 = c10d.all_gather_into_tensor_coalesced([w0, w1], 1, group)
+        a2 = c10d.all_gather_into_tensor(w2, 1, group)
+        y = torch.mm(x, x)
+        return sum(torch.mm(y, c10d.wait_tensor(a)) for a in (a01[0], a01[1], a2))
+
     graph = make_fx(step)(torch.ones(4, 4), torch.ones(4, 4), torch.ones(4, 4)).graph
     names = {group: "world"}
     before = describe(graph, names)
@@ -522,13 +528,16 @@ def _gloo_guard_body():
     after_prefetch = describe(graph, names)
     GlooOneInFlight()(graph)
     graph.lint()
-    return before, after_prefetch, describe(graph, names)
+    coalesced = make_fx(coalesced_step)(*[torch.ones(4, 4)] * 4).graph
+    GlooOneInFlight()(coalesced)
+    coalesced.lint()
+    return before, after_prefetch, describe(graph, names), describe(coalesced, names)
 
 
 def test_gloo_guard_keeps_one_collective_in_flight():
     from simplefsdp.train.launch import run_ranks
 
-    before, after_prefetch, after = run_ranks(_gloo_guard_body, 1, timeout=120)[0]
+    before, after_prefetch, after, coalesced = run_ranks(_gloo_guard_body, 1, timeout=120)[0]
     assert before == [
         "all_gather_into_tensor[world] float32", "all_gather_into_tensor[world] float32", "mm float32",
         "wait all_gather_into_tensor[world]", "mm float32", "wait all_gather_into_tensor[world]", "mm float32",
@@ -538,4 +547,9 @@ def test_gloo_guard_keeps_one_collective_in_flight():
         "all_gather_into_tensor[world] float32", "wait all_gather_into_tensor[world]",
         "all_gather_into_tensor[world] float32", "mm float32",
         "mm float32", "wait all_gather_into_tensor[world]", "mm float32",
+    ]
+    # both outputs of a coalesced gather are waited on before the next gather starts
+    assert coalesced[:4] == [
+        "all_gather_into_tensor_coalesced[world] float32", "wait all_gather_into_tensor_coalesced[world]",
+        "wait all_gather_into_tensor_coalesced[world]", "all_gather_into_tensor[world] float32",
     ]
