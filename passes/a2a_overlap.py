@@ -1,28 +1,36 @@
-"""Overlap the expert all-to-alls with the shared experts' compute.
+"""Overlap the expert all-to-alls with routed-expert compute of other token chunks, and with
+the shared experts.
 
-In a MoE layer the routed experts' tokens travel by all-to-all (dispatch, then combine), while
-the shared experts run on the local tokens and depend on neither. As traced, the shared experts
-come after the combine in forward and before both all-to-alls' gradients in backward, so every
-all-to-all is waited on at once. This post-grad pass splits the shared experts' work between
-the layer's all-to-alls and places each part between an all-to-all's start and its wait.
-Forward, on 8 ranks at FSDP4 x EP2 (grouped_mm on GPU, bmm on CPU)::
+A MoE layer with expert parallelism splits its tokens into chunks
+(:mod:`simplefsdp.moe.token_dispatch`). Each chunk's rows travel to the experts by an
+all-to-all (*incoming*: the dispatch in forward, the combine's gradient in backward), are
+computed, and travel back by another (*outgoing*: the combine, the dispatch's gradient). This
+post-grad pass schedules, per layer and with chunks taken in the order their incoming
+all-to-alls run::
 
-    a2a(dispatch) wait  mm mm mm(routed)  a2a(combine) wait  ag ag ag  mm mm mm(shared)
-    ->  a2a(dispatch) ag ag ag mm mm(shared) wait  mm mm mm(routed)  a2a(combine) mm(shared) wait
+    forward, 2 chunks (d: dispatch, c: combine, E: routed experts, S: shared experts)
+      d0 d1 S(1st half) wait(d0) E0 c0 wait(d1) E1 c1 wait(c0) S(2nd half) wait(c1)
+      stream:  [d0][d1 ........][c0 .......][c1 .....]
+      compute:  S......   E0.........  E1........  S.....
+    backward mirrors it with the chunks reversed: c1' c0' S' E1' d1' E0' d0' S'
 
-Backward mirrors it: the combine's gradient all-to-all overlaps the first half of the shared
-experts' backward, the dispatch's gradient all-to-all the rest (with their reduce-scatters).
+* each chunk's routed experts run under the all-to-alls in flight around them: the next
+  chunk's incoming one (its start goes before the experts, its wait after them) and the
+  previous chunk's outgoing one (started as soon as that chunk's rows are back, waited after);
+* the shared experts, which need no all-to-all, fill the two windows that no routed compute
+  can: the first chunk's incoming all-to-all and the last chunk's outgoing one. Their matmuls,
+  in graph order, are cut into two runs with near-equal matmul counts, the first run taking
+  the extra one. A node between two matmuls goes with the later one; nodes after the last
+  matmul go with the last run. A node that depends on an all-to-all, or that one depends on,
+  never moves. With one chunk this is the whole schedule.
 
-The split: the shared experts' matmuls, in graph order, are cut into one contiguous chunk per
-floating-point all-to-all of the layer, earlier chunks taking the extra one (forward: gate and
-up projections with the dispatch, the down projection with the combine). A node between two
-matmuls goes with the later one; nodes after the last matmul go with the last chunk. A node that
-depends on an all-to-all, or that one depends on, never moves. Only the order changes, through
-:func:`fx_utils.reorder`, so every data dependency holds, and each process group's sequence
-of collectives stays as it was. The matmuls are then pinned between the all-to-all's
-start and its wait (:func:`fx_utils.pin_after`): from FX order alone, Inductor's GPU scheduler
-moved them out of the window again in backward. The plan (per layer: each all-to-all and the
-matmuls placed under it) is written to the structured trace as ``simplefsdp_a2a_overlap``.
+Only the order changes, through :func:`fx_utils.reorder`, so every data dependency holds and
+each process group's sequence of collectives stays as it was (the token all-to-alls have a group
+of their own, so they move past FSDP's collectives freely). Compute placed under an all-to-all
+is then pinned between its start and its wait (:func:`fx_utils.pin_after`): from FX order alone,
+Inductor's GPU scheduler moves work out of the window again. The plan (per layer: each
+all-to-all and the matmuls placed under it) is written to the structured trace as
+``simplefsdp_a2a_overlap``.
 
 Graphs whose collectives run on gloo are left as they are, like :mod:`.fsdp_prefetch` does:
 there every collective is waited on before the next starts (:mod:`.gloo_one_in_flight`).
@@ -57,28 +65,63 @@ def _closure(nodes, step) -> set[torch.fx.Node]:
     return seen
 
 
-def _chunks(nodes: list[torch.fx.Node], parts: int) -> list[list[torch.fx.Node]]:
-    """Cut ``nodes`` (graph order) into ``parts`` runs with near-equal matmul counts."""
+def _users(node: torch.fx.Node):
+    return node.users
+
+
+def _inputs(node: torch.fx.Node):
+    return node.all_input_nodes
+
+
+def _halves(nodes: list[torch.fx.Node]) -> list[list[torch.fx.Node]]:
+    """Cut ``nodes`` (graph order) into two runs with near-equal matmul counts, the first taking
+    the extra one; a node goes with the next matmul, trailing nodes with the last run."""
     matmuls = [n for n in nodes if op_name(n) in MATMULS]
     if not matmuls:
-        return [nodes] + [[] for _ in range(parts - 1)]
-    sizes = [len(matmuls) // parts + (i < len(matmuls) % parts) for i in range(parts)]
-    ends, total = [], 0  # the last matmul of each chunk
-    for size in sizes:
-        total += size
-        ends.append(matmuls[total - 1] if size else None)
-    out, chunk = [[] for _ in range(parts)], 0
-    for node in nodes:
-        out[chunk].append(node)
-        while chunk < parts - 1 and node is ends[chunk]:
-            chunk += 1
-        while chunk < parts - 1 and ends[chunk] is None:  # an empty chunk: skip it
-            chunk += 1
-    return out
+        return [nodes, []]
+    first = set(matmuls[: (len(matmuls) + 1) // 2])
+    end = max(i for i, n in enumerate(nodes) if n in first)
+    return [nodes[: end + 1], nodes[end + 1 :]]
+
+
+class _Chunk:
+    """One token chunk of a layer: its incoming and outgoing all-to-alls and the routed-expert
+    matmuls between them that depend on no other chunk."""
+
+    def __init__(self, incoming: torch.fx.Node, outgoing: torch.fx.Node | None):
+        self.incoming, self.outgoing = incoming, outgoing
+        self.matmuls: list[torch.fx.Node] = []
+
+
+def _chunks(starts: list[torch.fx.Node], layer: str) -> list[_Chunk]:
+    """Pair a layer's floating all-to-alls (graph order) into chunks, in incoming order.
+
+    An all-to-all is outgoing when an earlier one of the layer is among its inputs' ancestors;
+    that one is its chunk's incoming all-to-all. A chunk's matmuls are those of the layer that
+    depend on its incoming all-to-all's result, on no other chunk's, and not on its outgoing one.
+    """
+    ancestors = {a: _closure(a.all_input_nodes, _inputs) for a in starts}
+    chunks: dict[torch.fx.Node, _Chunk] = {}
+    for a in starts:
+        sources = [b for b in chunks if b in ancestors[a]]
+        if not sources:
+            chunks[a] = _Chunk(a, None)
+        elif len(sources) == 1 and chunks[sources[0]].outgoing is None:
+            chunks[sources[0]].outgoing = a
+    reached = {a: _closure(waits_of(a), _users) for a in starts}
+    for incoming, chunk in chunks.items():
+        others = set().union(*(reached[b] for b in chunks if b is not incoming))
+        after = reached.get(chunk.outgoing, set())
+        chunk.matmuls = [
+            n for n in reached[incoming]
+            if op_name(n) in MATMULS and n not in others and n not in after and module_path(n).startswith(layer)
+        ]
+    return list(chunks.values())
 
 
 class AllToAllOverlap(CustomGraphPass):
-    """Place shared-expert compute between each expert all-to-all's start and its wait.
+    """Place routed-expert compute of one chunk under the all-to-alls of its neighbours, and
+    shared-expert compute under the first and last all-to-all of each MoE layer.
 
     ``shared`` names the shared-experts submodule of a MoE layer, whose routed experts are the
     sibling module that issues the all-to-alls.
@@ -96,41 +139,77 @@ class AllToAllOverlap(CustomGraphPass):
                 all_to_alls[".".join(parts[:-1])].append(node)
             elif self.shared in parts and node.op == "call_function":
                 shared[".".join(parts[: parts.index(self.shared)])].append(node)
-        return [(layer, all_to_alls[layer], shared[layer]) for layer in all_to_alls if shared[layer]]
+        return [(layer, all_to_alls[layer], shared[layer]) for layer in all_to_alls]
 
     def __call__(self, graph: torch.fx.Graph) -> None:
         if fx_utils.runs_on_gloo(graph):
             return
         position = {n: i for i, n in enumerate(graph.nodes)}
-        keys, plan, windows = {}, [], []
+        keys, plan, windows = {}, [], []  # windows: (start, wait, matmuls meant to run under it)
+
+        # a node's default key is (position, position): (p, -1) sorts just before position p,
+        # (p, p + 0.25) just after it, and (p, p + 0.5) after that
+        def start_before(start: torch.fx.Node, anchor: int) -> None:
+            """Start ``start`` (and what it needs that comes later) just before position ``anchor``."""
+            for node in _closure([start], _inputs):
+                if node.op != "placeholder" and position[node] > anchor:
+                    keys[node] = (anchor, -2, position[node])
+
+        def start_after(start: torch.fx.Node, anchor: int) -> None:
+            """Start ``start`` as soon as it can after position ``anchor``."""
+            for node in _closure([start], _inputs):
+                if node.op != "placeholder" and position[node] > anchor:
+                    keys[node] = (anchor, anchor + 0.25, position[node])
+
         for layer, starts, shared in self._layers(graph):
-            linked = _closure(starts, lambda n: n.all_input_nodes) | _closure(starts, lambda n: n.users)
-            movable = [n for n in shared if n not in linked]
-            record = {"layer": layer, "all_to_alls": []}
-            for start, chunk in zip(starts, _chunks(movable, len(starts))):
-                waits = waits_of(start)
-                if not waits:
+            chunks = [c for c in _chunks(starts, layer) if c.outgoing is not None and waits_of(c.incoming) and waits_of(c.outgoing)]
+            if not chunks:
+                continue
+            record = {"layer": layer, "chunks": len(chunks)}
+            first_wait = waits_of(chunks[0].incoming)[0]
+            ends = [max((position[m] for m in c.matmuls), default=position[c.outgoing]) for c in chunks]
+            for i, chunk in enumerate(chunks):
+                start_after(chunk.outgoing, ends[i])  # as soon as the chunk's rows are back
+                if not chunk.matmuls:
                     continue
-                wait = waits[0]
-                for i, node in enumerate(chunk):  # just before the wait, in their own order
+                first, last = min(position[m] for m in chunk.matmuls), ends[i]
+                neighbours = []  # in flight while this chunk's experts run
+                if i + 1 < len(chunks):
+                    neighbours.append(chunks[i + 1].incoming)
+                    # the second chunk's starts before the shared experts fill the first's window
+                    start_before(chunks[i + 1].incoming, first if i else min(first, position[first_wait]))
+                if i > 0:
+                    neighbours.append(chunks[i - 1].outgoing)
+                for start in neighbours:
+                    wait = waits_of(start)[0]
+                    keys[wait] = (last, last + 0.5, position[wait])  # just after the last matmul
+                    windows.append((start, wait, chunk.matmuls))
+            linked = _closure(starts, _inputs) | _closure(starts, _users)
+            movable = [n for n in shared if n not in linked]
+            fillers = (chunks[0].incoming, chunks[-1].outgoing)
+            for start, run in zip(fillers, _halves(movable)):
+                wait = waits_of(start)[0]
+                for i, node in enumerate(run):  # just before the wait, in their own order
                     keys[node] = (position[wait], -1, i)
-                matmuls = [n for n in chunk if op_name(n) in MATMULS]
-                windows.append((start, wait, matmuls))
-                record["all_to_alls"].append({"all_to_all": start.name, "wait": wait.name, "matmuls": matmuls})
+                windows.append((start, wait, [n for n in run if op_name(n) in MATMULS]))
+            record["all_to_alls"] = [{"all_to_all": a.name, "wait": waits_of(a)[0].name} for a in starts if waits_of(a)]
             plan.append(record)
         if keys:
             reorder(graph, keys)
-        # a matmul whose inputs are only ready after the wait stays there; pin those that made it
+        # compute whose inputs are only ready after the wait stays there; pin what made it inside
         position = {n: i for i, n in enumerate(graph.nodes)}
-        pins, wait_pins = {}, {}
+        pins: dict[torch.fx.Node, list[torch.fx.Node]] = defaultdict(list)
+        wait_pins: dict[torch.fx.Node, list[torch.fx.Node]] = defaultdict(list)
+        under: dict[str, list[str]] = defaultdict(list)
         for start, wait, matmuls in windows:
             inside = [m for m in matmuls if position[start] < position[m] < position[wait]]
-            pins.update({m: [start] for m in inside})
-            if inside:
-                wait_pins[wait] = inside
+            for m in inside:
+                pins[m].append(start)
+                wait_pins[wait].append(m)
+                under[start.name].append(m.name)
         for record in plan:
             for window in record["all_to_alls"]:
-                window["overlapped_matmuls"] = [m.name for m in window.pop("matmuls") if m in pins]
+                window["overlapped_matmuls"] = under.get(window["all_to_all"], [])
         record_plan(ARTIFACT, plan)
         pin_after(graph, {**pins, **wait_pins})  # matmuls first: the waits then refer to their pinned form
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Placement, Replicate, Shard
 
@@ -100,6 +101,19 @@ class DataParallelLayout:
     @property
     def dp_degree(self) -> int:
         return self.dp_mesh.size()
+
+    def ep_rank_groups(self) -> list[list[int]] | None:
+        """The ranks of every ep group, where the mesh spans the world (None where it does not).
+
+        ep takes the inner ranks of ``dp_shard`` (of ``dp_shard x tp`` with tp), so moving those
+        dims last and cutting rows of ``ep`` ranks lists every group.
+        """
+        if self.experts is None or self.mesh.mesh.numel() != dist.get_world_size():
+            return None
+        names = list(self.mesh.mesh_dim_names or (DP_SHARD,))
+        inner = [DP_SHARD] + ([TP] if self.experts.tp_mesh is not None else [])
+        order = [i for i, n in enumerate(names) if n not in inner] + [names.index(n) for n in inner]
+        return self.mesh.mesh.permute(order).reshape(-1, self.experts.ep).tolist()
 
     def group_names(self) -> set[str]:
         """The process groups of every mesh dim a parameter or token of this layout moves over."""

@@ -25,7 +25,7 @@ from torch.utils._pytree import tree_map_only
 from simplefsdp import passes, sharding
 from simplefsdp.eager_reshard import resharding_saved_tensors
 from simplefsdp.mesh_layout import DataParallelLayout, resolve_layout
-from simplefsdp.moe.token_dispatch import TokenDispatcher, is_routed_experts
+from simplefsdp.moe.token_dispatch import DEFAULT_EP_CHUNKS, TokenDispatcher, is_routed_experts, token_group
 from simplefsdp.param_access import ForwardState, WrappedParams, attach, count_forwards, is_wrapped
 from simplefsdp.param_gather import ParamGather, param_gather
 
@@ -103,14 +103,21 @@ def _check_mp_policy(mp_policy: MixedPrecisionPolicy | None) -> MixedPrecisionPo
     return mp_policy
 
 
-def _check_flags(ep, reshard_after_forward) -> None:
+def _check_flags(ep, ep_chunks, reshard_after_forward) -> int:
+    """Check the flags; returns the number of token chunks per MoE layer."""
     if not isinstance(ep, int) or isinstance(ep, bool) or ep < 1:
         raise ValueError(f"ep must be a positive int; got {ep!r}")
+    if ep_chunks is not None:
+        if not isinstance(ep_chunks, int) or isinstance(ep_chunks, bool) or ep_chunks < 1:
+            raise ValueError(f"ep_chunks must be a positive int (1: no chunking); got {ep_chunks!r}")
+        if ep == 1 and ep_chunks > 1:
+            raise ValueError(f"ep_chunks={ep_chunks} needs ep > 1: without expert parallelism there is no all-to-all to overlap")
     if not isinstance(reshard_after_forward, bool):
         raise ValueError(
             "reshard_after_forward must be True or False (FSDP2's int form, resharding to a "
             f"smaller group, is not supported); got {reshard_after_forward!r}"
         )
+    return 1 if ep == 1 else ep_chunks or DEFAULT_EP_CHUNKS
 
 
 def _materialize_meta(model: nn.Module, device: torch.device) -> None:
@@ -236,6 +243,7 @@ def simple_fsdp(
     mp_policy: MixedPrecisionPolicy | None = None,
     reshard_after_forward: bool = True,
     ep: int = 1,
+    ep_chunks: int | None = None,
 ) -> nn.Module:
     """Shard ``model``'s parameters over the data-parallel dims of ``mesh`` (in place; returns ``model``).
 
@@ -254,6 +262,11 @@ def simple_fsdp(
             are sharded over ``ep`` by expert and FSDP-sharded over ``edp``; tokens reach them by
             all-to-all. Sets ``torch._dynamo.config.capture_scalar_outputs`` so the all-to-all
             split sizes trace without a graph break.
+        ep_chunks: with ``ep > 1``, how many token chunks each MoE layer splits its tokens into
+            (default 2), so that one chunk's routed experts run while another chunk's tokens
+            travel (:mod:`simplefsdp.moe.token_dispatch`); 1: no chunking. Chunking changes the
+            order in which the expert weights' gradients are summed, not any token's result.
+            The token all-to-alls get a process group of their own over the ep ranks.
 
     Installs SimpleFSDP's Inductor passes (``simplefsdp.passes.install``) so that a later
     ``torch.compile`` runs them on this model's graphs; ``simplefsdp.compile_options`` configures
@@ -262,7 +275,7 @@ def simple_fsdp(
     """
     # validate: every check runs on every rank before anything is changed or communicated
     _check_model(model)
-    _check_flags(ep, reshard_after_forward)
+    chunks = _check_flags(ep, ep_chunks, reshard_after_forward)
     layout = resolve_layout(mesh, mode, ep)
     _check_tp_parameters(model, layout)
     _check_parameters(model, layout)
@@ -281,6 +294,7 @@ def simple_fsdp(
 
     # apply
     _materialize_meta(model, device)
+    tokens = token_group(layout.experts.ep_mesh, layout.ep_rank_groups()) if routed else None
     state = ForwardState()
     # tied parameters (one object under several owners) are sharded once and share one key
     owners = collections.Counter(id(module._parameters[n]) for module, names, _ in plans for n in names)
@@ -289,7 +303,9 @@ def simple_fsdp(
     for module, names, plan in plans:
         if module in routed:
             experts = layout.experts
-            module.expert_parallel = TokenDispatcher(experts.ep_mesh, module.num_experts, experts.tp_mesh)
+            module.expert_parallel = TokenDispatcher(
+                experts.ep_mesh, module.num_experts, experts.tp_mesh, chunks=chunks, group=tokens
+            )
         wrapped = WrappedParams(
             gathers={n: plan[n][0] for n in names},
             shardings={n: plan[n][1] for n in names},
@@ -312,5 +328,5 @@ def simple_fsdp(
             if buf is not None:
                 module._buffers[name] = buf.to(device)
     _install_root_hooks(model, state, mp_policy, reshard_after_forward)
-    passes.install(layout.group_names())
+    passes.install(layout.group_names() | ({tokens.group_name} if tokens is not None else set()))
     return model

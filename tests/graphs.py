@@ -69,7 +69,9 @@ class _Capture(CustomGraphPass):
 
 
 def _group_names(source) -> dict[str, str]:
-    """Process-group name -> mesh dim name, for a DeviceMesh or a model wrapped by simple_fsdp."""
+    """Process-group name -> mesh dim name, for a DeviceMesh or a model wrapped by simple_fsdp
+    (whose token all-to-alls' group shows as ``tokens``)."""
+    tokens = {}  # the token all-to-alls' own group
     if isinstance(source, torch.nn.Module):
         meshes = []
         for module in source.modules():
@@ -79,9 +81,10 @@ def _group_names(source) -> dict[str, str]:
             dispatch = getattr(module, "expert_parallel", None)
             if dispatch is not None:
                 meshes.extend(m for m in (dispatch.ep_mesh, dispatch.tp_mesh) if m is not None)
+                tokens[dispatch.group.group_name] = "tokens"
     else:
         meshes = [source[name] for name in source.mesh_dim_names] if source.mesh_dim_names else [source]
-    return {m.get_group().group_name: (m.mesh_dim_names or ("dp",))[0] for m in meshes}
+    return {m.get_group().group_name: (m.mesh_dim_names or ("dp",))[0] for m in meshes} | tokens
 
 
 @contextlib.contextmanager

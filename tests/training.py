@@ -29,11 +29,11 @@ def build_model(cfg: TransformerConfig = CFG) -> Transformer:
     return Transformer(cfg)
 
 
-def wrapped_run(cfg, shape, names, ep: int = 1, *, ac=None, compile_options=None, compiled=False):
+def wrapped_run(cfg, shape, names, ep: int = 1, *, ac=None, compile_options=None, compiled=False, ep_chunks=None):
     """This rank's (model, what to call for forward, dp rank, dp size): ``cfg``'s model built as
     :func:`build_model` does, tensor-parallel over a ``tp`` dim, checkpointed with ``ac``, wrapped
-    on a fresh mesh of ``shape`` / ``names``, and compiled (fullgraph) when ``compiled`` or given
-    ``compile_options``."""
+    on a fresh mesh of ``shape`` / ``names`` (MoE layers in ``ep_chunks`` token chunks), and
+    compiled (fullgraph) when ``compiled`` or given ``compile_options``."""
     from simplefsdp import simple_fsdp
     from simplefsdp.activation_checkpoint import apply_activation_checkpointing
     from simplefsdp.models.tp_plan import apply_tensor_parallel
@@ -46,7 +46,7 @@ def wrapped_run(cfg, shape, names, ep: int = 1, *, ac=None, compile_options=None
         model = apply_tensor_parallel(model, mesh["tp"])
     if ac is not None:
         model = apply_activation_checkpointing(model, ac)
-    model = simple_fsdp(model, mesh, ep=ep)
+    model = simple_fsdp(model, mesh, ep=ep, ep_chunks=ep_chunks)
     compiled = compiled or compile_options is not None
     runner = torch.compile(model, fullgraph=True, options=compile_options) if compiled else model
     return (model, runner, *data_parallel_rank(tp))

@@ -22,7 +22,7 @@ import torch.nn as nn
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import Shard
 
-from simplefsdp.moe.token_dispatch import TokenDispatcher, is_routed_experts
+from simplefsdp.moe.token_dispatch import DEFAULT_EP_CHUNKS, TokenDispatcher, is_routed_experts, token_group
 from simplefsdp.mesh_layout import DP_REPLICATE, resolve_layout
 from simplefsdp.sharding import local_experts
 
@@ -32,10 +32,10 @@ except ImportError:
     ShardPlacementResult = None
 
 
-def _keep_local_experts(module: nn.Module, ep_mesh) -> None:
+def _keep_local_experts(module: nn.Module, ep_mesh, chunks: int, group) -> None:
     for name, param in list(module.named_parameters(recurse=False)):
         module._parameters[name] = nn.Parameter(local_experts(param, ep_mesh), requires_grad=param.requires_grad)
-    module.expert_parallel = TokenDispatcher(ep_mesh, module.num_experts)
+    module.expert_parallel = TokenDispatcher(ep_mesh, module.num_experts, chunks=chunks, group=group)
 
 
 def _expert_mesh(experts):
@@ -66,8 +66,11 @@ def fsdp2(
     mp_policy: MixedPrecisionPolicy | None = None,
     reshard_after_forward: bool = True,
     experts_in_blocks: bool | None = None,
+    ep_chunks: int | None = None,
 ) -> nn.Module:
     """Apply FSDP2 to ``model`` (blocks in ``model.layers``, then the root); returns ``model``.
+
+    ``ep_chunks``: token chunks per MoE layer, as for ``simple_fsdp`` (default 2 with ``ep > 1``).
 
     ``experts_in_blocks``: shard routed experts inside their block's unit (needs torch's
     ``ShardPlacementResult``) or as units of their own; None: in blocks where torch can.
@@ -82,10 +85,11 @@ def fsdp2(
     placements = {}  # routed-expert parameter -> its Shard placement on the expert mesh (in-block form)
     if experts is not None:
         expert_mesh = _expert_mesh(experts)
+        tokens = token_group(experts.ep_mesh, layout.ep_rank_groups())
         for module in model.modules():
             if not is_routed_experts(module):
                 continue
-            _keep_local_experts(module, experts.ep_mesh)
+            _keep_local_experts(module, experts.ep_mesh, ep_chunks or DEFAULT_EP_CHUNKS, tokens)
             placement = Shard(experts.fsdp_dim(module.num_experts))
             if experts_in_blocks:
                 placements.update({p: placement for p in module.parameters()})

@@ -4,12 +4,15 @@ The first ``n_dense_layers`` blocks use a dense SwiGLU MLP; the rest use :class:
 
 * :class:`Router`: sigmoid (or softmax) scores per expert; the top-k experts of a token are
   chosen on ``score + expert_bias`` (the load-balancing bias is used for selection only) and the
-  chosen scores, normalized, weight the expert outputs. It also returns tokens per expert.
+  chosen scores, normalized, weight the expert outputs.
 * :class:`GroupedExperts`: the routed experts, stored stacked (``w1, w3: [E, dim, hidden]``,
   ``w2: [E, hidden, dim]``) and computed with one grouped matmul per projection over tokens
   sorted by expert (each expert's rows padded to an aligned count where ``torch._grouped_mm``
   runs, :mod:`simplefsdp.moe.token_permute`). With expert parallelism they exchange tokens with
-  all-to-all (:mod:`simplefsdp.moe.token_dispatch`).
+  all-to-all (:mod:`simplefsdp.moe.token_dispatch`), in token chunks: the layer splits its
+  tokens into the dispatcher's ``chunks`` and sorts each chunk by expert, so one chunk's experts
+  can run while another chunk's tokens travel. Each token's result does not depend on the
+  chunking; the expert weights' gradients are summed per chunk, then over chunks.
 * shared experts: the same SwiGLU as a grouped matmul with a single group, on every token,
   replicated across expert-parallel ranks.
 """
@@ -22,7 +25,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from simplefsdp.moe.token_dispatch import TokenDispatcher
+from simplefsdp.moe.token_dispatch import TokenDispatcher, token_chunks
 from simplefsdp.moe.grouped_mm import grouped_mm, native_available
 from simplefsdp.models.llama import FeedForward, Transformer, TransformerConfig
 from simplefsdp.moe.token_permute import aligned_groups
@@ -65,24 +68,30 @@ class Router(nn.Module):
         nn.init.zeros_(self.expert_bias)
 
     def forward(self, x: torch.Tensor):
-        """x: [tokens, dim] -> (weights [tokens, k], experts [tokens, k], tokens per expert [E])."""
+        """x: [tokens, dim] -> (weights [tokens, k], experts [tokens, k])."""
         scores = self.gate(x).float()
         scores = scores.sigmoid() if self.score_func == "sigmoid" else scores.softmax(-1)
         experts = torch.topk(scores + self.expert_bias, self.top_k, dim=-1).indices
         weights = scores.gather(-1, experts)
         if self.score_func == "sigmoid":
             weights = weights / weights.sum(-1, keepdim=True)
-        flat = experts.flatten()
-        counts = torch.zeros(self.num_experts, dtype=torch.int32, device=x.device)
-        counts = counts.scatter_add(0, flat, torch.ones_like(flat, dtype=torch.int32))
-        return weights * self.route_scale, experts, counts
+        return weights * self.route_scale, experts
+
+
+def tokens_per_expert(experts: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """How many of the token slots ``experts`` (any shape) chose each expert: ``[num_experts]`` int32."""
+    flat = experts.flatten()
+    counts = torch.zeros(num_experts, dtype=torch.int32, device=experts.device)
+    return counts.scatter_add(0, flat, torch.ones_like(flat, dtype=torch.int32))
 
 
 class GroupedExperts(nn.Module):
-    """Routed SwiGLU experts over tokens sorted by expert; ``counts[e]`` rows go to expert e.
+    """Routed SwiGLU experts over chunks of rows, each sorted by expert (``counts[c][e]`` rows
+    of chunk c go to expert e).
 
     ``simple_fsdp(..., ep=E)`` shards the expert dim over the ``ep`` ranks and sets
-    ``expert_parallel``, which moves each token to the rank holding its expert and back.
+    ``expert_parallel``, which moves each token to the rank holding its expert and back and says
+    how many chunks the layer's tokens come in (``chunks``).
     """
 
     def __init__(self, dim: int, hidden: int, num_experts: int):
@@ -97,20 +106,22 @@ class GroupedExperts(nn.Module):
     def reset_parameters(self) -> None:
         _init_stacked(self.w1, self.w3, self.w2)
 
-    def _local_experts(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        w1, w2, w3 = self.w1, self.w2, self.w3  # each read gathers once
+    @property
+    def chunks(self) -> int:
+        return 1 if self.expert_parallel is None else self.expert_parallel.chunks
 
-        def swiglu(rows: torch.Tensor, group_counts: torch.Tensor) -> torch.Tensor:
-            return grouped_swiglu(rows, w1, w2, w3, group_counts)
+    def forward(self, xs: list[torch.Tensor], counts: list[torch.Tensor]) -> list[torch.Tensor]:
+        w1, w2, w3 = self.w1, self.w2, self.w3  # each read gathers: once for every chunk
 
-        if native_available(x, w1):  # grouped_mm kernels want groups on aligned rows
-            return aligned_groups(swiglu, x, counts)
-        return swiglu(x, counts)
+        def local_experts(rows: torch.Tensor, group_counts: torch.Tensor) -> torch.Tensor:
+            swiglu = lambda r, c: grouped_swiglu(r, w1, w2, w3, c)
+            if native_available(rows, w1):  # grouped_mm kernels want groups on aligned rows
+                return aligned_groups(swiglu, rows, group_counts)
+            return swiglu(rows, group_counts)
 
-    def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         if self.expert_parallel is None:
-            return self._local_experts(x, counts)
-        return self.expert_parallel(self._local_experts, x, counts)
+            return [local_experts(x, c) for x, c in zip(xs, counts)]
+        return self.expert_parallel(local_experts, xs, counts)
 
 
 class SharedExperts(nn.Module):
@@ -148,12 +159,19 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x = x.reshape(-1, shape[-1])
-        weights, experts, counts = self.router(x)
-        # token slots sorted by expert; the stable sort keeps token order within an expert
-        order = torch.argsort(experts.flatten(), stable=True)
-        routed = self.experts(x[order // self.top_k], counts)
-        unsorted = torch.empty_like(routed).index_copy(0, order, routed)
-        out = (unsorted.view(-1, self.top_k, shape[-1]) * weights.unsqueeze(-1).to(x.dtype)).sum(1)
+        weights, experts = self.router(x)
+        rows, counts, orders = [], [], []
+        for start, end in token_chunks(x.shape[0], self.experts.chunks):
+            # the chunk's token slots sorted by expert; the stable sort keeps token order within an expert
+            order = torch.argsort(experts[start:end].flatten(), stable=True)
+            rows.append(x[start:end][order // self.top_k])
+            counts.append(tokens_per_expert(experts[start:end], self.experts.num_experts))
+            orders.append(order)
+        routed = [
+            torch.empty_like(out).index_copy(0, order, out) for out, order in zip(self.experts(rows, counts), orders)
+        ]
+        routed = routed[0] if len(routed) == 1 else torch.cat(routed)
+        out = (routed.view(-1, self.top_k, shape[-1]) * weights.unsqueeze(-1).to(x.dtype)).sum(1)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
         return out.view(shape)

@@ -1,17 +1,26 @@
-"""Expert parallelism: move each token to the rank that holds its expert, and back.
+"""Expert parallelism: move each token to the rank that holds its expert, and back, in chunks.
 
 The routed experts of a MoE layer are split over the ``ep`` ranks: rank ``j`` holds experts
-``j*L .. (j+1)*L - 1`` (``L = num_experts / ep``). Tokens arrive sorted by expert, so the tokens
-for rank ``j`` are one contiguous block. :class:`TokenDispatcher`:
+``j*L .. (j+1)*L - 1`` (``L = num_experts / ep``). A MoE layer splits its tokens into ``chunks``
+(:func:`token_chunks`) and hands :class:`TokenDispatcher` one block of rows per chunk, each
+sorted by expert, so the rows for rank ``j`` are one contiguous block of it. The dispatcher:
 
-1. exchanges tokens-per-expert counts with an all-to-all (``[E]`` int32 per rank);
-2. dispatches the token rows with an autograd all-to-all whose split sizes come from the counts;
-3. reorders the received rows (grouped by source rank, then expert) by local expert, runs the
-   local experts, restores the order;
-4. combines: the reverse all-to-all sends the outputs home.
+1. exchanges tokens-per-expert counts with one all-to-all for all chunks (``[chunks, E]`` int32
+   per rank) and reads the split sizes to the host once;
+2. dispatches every chunk's rows with an autograd all-to-all whose split sizes come from the
+   counts, all of them before any expert runs;
+3. per chunk, in order: reorders the received rows (grouped by source rank, then expert) by
+   local expert, runs the local experts, restores the order, and combines: the reverse
+   all-to-all sends the outputs home.
+
+So chunk ``i``'s experts run while chunk ``i+1``'s dispatch and chunk ``i-1``'s combine are in
+flight; :mod:`simplefsdp.passes.a2a_overlap` keeps that schedule in the compiled graph, and
+backward mirrors it. The token all-to-alls run on a process group of their own
+(:func:`token_group`, the ep ranks again): NCCL gives it its own stream, next to FSDP's
+all-gathers and reduce-scatters, and each group's collective order is checked separately.
 
 With tensor parallelism the ep ranks include tp ranks, which hold the same tokens: each tp rank
-first takes its share of the sorted rows (a local slice, no communication), dispatches only
+first takes its share of a chunk's sorted rows (a local slice, no communication), dispatches only
 those, and the combined rows are all-gathered over tp again.
 
 The split sizes are read to the host (``tolist``); under torch.compile they become unbacked
@@ -24,9 +33,13 @@ from __future__ import annotations
 from typing import Callable
 
 import torch
+import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
+
+
+DEFAULT_EP_CHUNKS = 2  # token chunks per MoE layer with ep > 1 (simple_fsdp's ep_chunks)
 
 
 def is_routed_experts(module: torch.nn.Module) -> bool:
@@ -34,15 +47,55 @@ def is_routed_experts(module: torch.nn.Module) -> bool:
     return hasattr(module, "num_experts") and hasattr(module, "expert_parallel")
 
 
-class TokenDispatcher:
-    """Token dispatch and combine over one ``ep`` mesh dim (set on a routed-experts module)."""
+def token_chunks(tokens: int, chunks: int) -> list[tuple[int, int]]:
+    """``[start, end)`` of each of ``chunks`` contiguous, near-equal token ranges (earlier ones
+    take the extra token); fewer ranges when there are fewer tokens than chunks."""
+    chunks = max(1, min(chunks, tokens))
+    bounds = [tokens * i // chunks for i in range(chunks + 1)]
+    return list(zip(bounds[:-1], bounds[1:]))
 
-    def __init__(self, ep_mesh: DeviceMesh, num_experts: int, tp_mesh: DeviceMesh | None = None):
+
+def token_group(ep_mesh: DeviceMesh, ep_ranks: list[list[int]] | None) -> dist.ProcessGroup:
+    """A process group of its own over ``ep_mesh``'s ranks, for the token all-to-alls.
+
+    ``ep_ranks`` lists the ranks of every ep group of the world: every rank creates every group,
+    in the same order, as ``new_group`` requires. (A DeviceMesh hands back an existing group
+    where the ep dim spans the world, FSDP8 x EP8, and FSDP's gathers use that one.) Without
+    that list (a mesh that is part of a larger world) the ep mesh's own group is used.
+    """
+    if ep_ranks is None:
+        return ep_mesh.get_group()
+    mine = sorted(ep_mesh.mesh.flatten().tolist())
+    if mine not in [sorted(ranks) for ranks in ep_ranks]:
+        raise AssertionError(f"the ep groups {ep_ranks} do not include this rank's ep ranks {mine}")
+    groups = [dist.new_group(ranks) for ranks in ep_ranks]
+    return groups[[sorted(ranks) for ranks in ep_ranks].index(mine)]
+
+
+class TokenDispatcher:
+    """Token dispatch and combine over one ``ep`` mesh dim (set on a routed-experts module).
+
+    ``chunks``: how many token chunks a MoE layer splits its tokens into, to overlap one chunk's
+    experts with another's all-to-alls. ``group``: the process group of the token all-to-alls
+    (default: the ep mesh's own).
+    """
+
+    def __init__(
+        self,
+        ep_mesh: DeviceMesh,
+        num_experts: int,
+        tp_mesh: DeviceMesh | None = None,
+        *,
+        chunks: int = 1,
+        group: dist.ProcessGroup | None = None,
+    ):
         self.ep_mesh = ep_mesh
         self.tp_mesh = tp_mesh
         self.num_experts = num_experts
         self.degree = ep_mesh.size()
         self.local_experts = num_experts // self.degree
+        self.chunks = chunks
+        self.group = group if group is not None else ep_mesh.get_group()
 
     def _tp_share(self, x: torch.Tensor, counts: torch.Tensor):
         """This tp rank's slice of the rows (sorted by expert) and its tokens per expert."""
@@ -74,31 +127,48 @@ class TokenDispatcher:
             .to_local()
         )
 
+    def _exchange_counts(self, counts: list[torch.Tensor]):
+        """One all-to-all of every chunk's tokens per expert; per chunk, the rows each local
+        expert receives from each rank (``[ranks, L]``) and the send and receive split sizes."""
+        ranks, experts, chunks = self.degree, self.local_experts, len(counts)
+        send = torch.stack(counts).view(chunks, ranks, experts)
+        # to rank j: every chunk's counts of j's experts
+        recv = funcol.all_to_all_single(
+            send.transpose(0, 1).reshape(-1), [chunks * experts] * ranks, [chunks * experts] * ranks, self.group
+        )
+        recv = funcol.wait_tensor(recv).view(ranks, chunks, experts).transpose(0, 1)
+        send_splits = send.sum(2).tolist()
+        recv_splits = recv.sum(2).tolist()
+        return list(recv.unbind(0)), send_splits, recv_splits
+
     def __call__(
         self,
         local_experts: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
-        x: torch.Tensor,
-        counts: torch.Tensor,
-    ) -> torch.Tensor:
-        rows = x.shape[0]
+        xs: list[torch.Tensor],
+        counts: list[torch.Tensor],
+    ) -> list[torch.Tensor]:
+        """``xs[c]``: chunk c's rows sorted by expert, ``counts[c][e]`` of them for expert e;
+        returns each chunk's expert outputs in its rows' order."""
+        rows = [x.shape[0] for x in xs]
         if self.tp_mesh is not None:
-            x, counts = self._tp_share(x, counts)
+            xs, counts = map(list, zip(*(self._tp_share(x, c) for x, c in zip(xs, counts))))
+        recv_counts, send_splits, recv_splits = self._exchange_counts(counts)
+        received = [
+            funcol.all_to_all_single_autograd(x, recv, send, self.group)
+            for x, send, recv in zip(xs, send_splits, recv_splits)
+        ]
         ranks, experts = self.degree, self.local_experts
-        group = self.ep_mesh.get_group()
-        # recv_counts[i, e]: rows that rank i sends to local expert e here
-        recv_counts = funcol.all_to_all_single(counts, [experts] * ranks, [experts] * ranks, group)
-        recv_counts = funcol.wait_tensor(recv_counts).view(ranks, experts)
-        send_splits = counts.view(ranks, experts).sum(1).tolist()
-        recv_splits = recv_counts.sum(1).tolist()
-        received = funcol.all_to_all_single_autograd(x, recv_splits, send_splits, group)
-
-        expert_of_row = torch.repeat_interleave(
-            torch.arange(experts, device=x.device).repeat(ranks),
-            recv_counts.flatten(),
-            output_size=received.shape[0],
-        )
-        order = torch.argsort(expert_of_row, stable=True)
-        out = local_experts(received[order], recv_counts.sum(0))
-        out = torch.empty_like(out).index_copy(0, order, out)
-        out = funcol.all_to_all_single_autograd(out, send_splits, recv_splits, group)
-        return out if self.tp_mesh is None else self._tp_gather(out, x.shape[0], rows)
+        outs = []
+        for chunk, rows_in in enumerate(received):
+            expert_of_row = torch.repeat_interleave(
+                torch.arange(experts, device=rows_in.device).repeat(ranks),
+                recv_counts[chunk].flatten(),
+                output_size=rows_in.shape[0],
+            )
+            order = torch.argsort(expert_of_row, stable=True)
+            out = local_experts(rows_in[order], recv_counts[chunk].sum(0))
+            out = torch.empty_like(out).index_copy(0, order, out)
+            outs.append(funcol.all_to_all_single_autograd(out, send_splits[chunk], recv_splits[chunk], self.group))
+        if self.tp_mesh is None:
+            return outs
+        return [self._tp_gather(out, x.shape[0], n) for out, x, n in zip(outs, xs, rows)]

@@ -113,14 +113,15 @@ def build(cfg: JobConfig, world: int, device_type: str):
     if t.baseline == "fsdp2":
         from simplefsdp.baselines.fsdp2 import fsdp2
 
-        model = fsdp2(model, mesh, ep=p.ep, mp_policy=_mp_policy(cfg), reshard_after_forward=p.reshard_after_forward)
+        model = fsdp2(model, mesh, ep=p.ep, ep_chunks=p.ep_chunks or None, mp_policy=_mp_policy(cfg),
+                      reshard_after_forward=p.reshard_after_forward)
         runner = model
         if t.compile:  # per block, as torchtitan compiles FSDP2 models
             for block in model.layers:
                 block.compile()
     else:
         mode = None if p.mode == "auto" else p.mode
-        model = simple_fsdp(model, mesh, mode=mode, ep=p.ep, mp_policy=_mp_policy(cfg),
+        model = simple_fsdp(model, mesh, mode=mode, ep=p.ep, ep_chunks=p.ep_chunks or None, mp_policy=_mp_policy(cfg),
                             reshard_after_forward=p.reshard_after_forward)
         runner = model
         if t.compile:

@@ -4,7 +4,7 @@ overrides on the command line, checked before any rank starts.
 A config has five sections; every key has a default, so a file names only what it changes::
 
     [model]       kind = "dense" | "moe", then the fields of TransformerConfig / MoEConfig
-    [parallel]    dp_replicate, dp_shard (-1: the ranks left over), tp, ep, mode,
+    [parallel]    dp_replicate, dp_shard (-1: the ranks left over), tp, ep, ep_chunks, mode,
                   reshard_after_forward, activation_checkpoint
     [training]    steps, lr, seed, global_batch, seq_len, dataset, compile, passes, param_dtype,
                   reduce_dtype, max_norm, baseline
@@ -43,6 +43,7 @@ class Parallel:
     dp_shard: int = -1
     tp: int = 1
     ep: int = 1
+    ep_chunks: int = 0  # token chunks per MoE layer with ep > 1 (simple_fsdp's ep_chunks); 0: its default
     mode: str = "auto"  # or fully_shard | replicate | hybrid_shard (simple_fsdp's modes)
     reshard_after_forward: bool = True
     activation_checkpoint: str = "none"  # none | full | selective
@@ -231,6 +232,8 @@ def validate(cfg: JobConfig, world: int) -> None:
     p, t = cfg.parallel, cfg.training
     for name in ("dp_replicate", "tp", "ep"):
         _check(getattr(p, name) >= 1, f"parallel.{name}", f"must be >= 1, got {getattr(p, name)}")
+    _check(p.ep_chunks >= 0, "parallel.ep_chunks", f"must be >= 1 (or 0: the default), got {p.ep_chunks}")
+    _check(p.ep > 1 or p.ep_chunks <= 1, "parallel.ep_chunks", f"{p.ep_chunks} needs parallel.ep > 1 (no all-to-all to overlap)")
     _check(p.dp_shard >= 1 or p.dp_shard == -1, "parallel.dp_shard", f"must be >= 1 or -1 (the ranks left over), got {p.dp_shard}")
     if p.dp_shard == -1:
         _check(world % (p.dp_replicate * p.tp) == 0, "parallel.dp_shard",

@@ -43,7 +43,7 @@ reduce_dtype = "float32"
 
 
 def test_links_cost_by_group_span_and_kind():
-    links = Links(intra_gbps=100.0, inter_gbps=10.0, latency_us=5.0, gpus_per_node=4)
+    links = Links(intra_gbps=100.0, inter_gbps=10.0, latency_us=5.0, gpus_per_node=4, all_to_all_gbps=None, half_mb=0)
     gb = 10**9
     assert links.seconds("all_gather", gb, [0]) == 0.0
     assert links.seconds("all_gather", gb, [0, 1, 2, 3]) == pytest.approx(5e-6 + 0.75 / 100)
@@ -51,8 +51,24 @@ def test_links_cost_by_group_span_and_kind():
     assert links.seconds("all_reduce", gb, [0, 1]) == pytest.approx(5e-6 + 2 * 0.5 / 100)
 
 
+def test_links_bandwidth_grows_with_message_size():
+    """Bus bandwidth saturates toward the peak (half of it at half_mb); all-to-alls have their own
+    peak; a measured sweep replaces the formula, its latency included, for the kinds it has."""
+    links = Links(intra_gbps=100.0, all_to_all_gbps=80.0, latency_us=0.0, half_mb=1.0)
+    assert links.bus_gbps("all_gather", 10**6, inside=True) == pytest.approx(50.0)
+    assert links.bus_gbps("all_gather", 10**9, inside=True) == pytest.approx(100.0 * 1000 / 1001)
+    assert links.bus_gbps("all_to_all", 10**6, inside=True) == pytest.approx(40.0)
+    small, large = (links.seconds("all_gather", n, [0, 1]) for n in (10**6, 10**8))
+    assert large / small == pytest.approx(100 * 50.0 / (100.0 * 100 / 101))  # 100x the bytes, ~2x the rate
+    swept = Links(latency_us=7.0, sweep={"all_to_all": [(1e6, 10.0), (1e8, 100.0)]})
+    assert swept.bus_gbps("all_to_all", 10**7, inside=True) == pytest.approx(55.0)  # halfway in log(size)
+    assert swept.bus_gbps("all_to_all", 10**10, inside=True) == 100.0  # constant past the last point
+    assert swept.seconds("all_to_all", 10**6, [0, 1]) == pytest.approx(0.5 * 10**6 / 10e9)  # no latency added
+    assert swept.seconds("all_gather", 10**6, [0, 1]) > 7e-6  # not in the sweep: the formula
+
+
 def test_simulation_stalls_only_on_unfinished_collectives():
-    links = Links(intra_gbps=1.0, latency_us=0.0)  # 1 GB/s: an all-gather of 2 GB over 2 ranks takes 1 s
+    links = Links(intra_gbps=1.0, latency_us=0.0, half_mb=0, all_to_all_gbps=None)  # 1 GB/s: an all-gather of 2 GB over 2 ranks takes 1 s
     ranks = {"g": [0, 1], "h": [0, 1]}
     flops = 1e12  # one FLOP-second per 1e12 FLOPs
     gather = lambda name, group="g": Node(name, "collective", "all_gather", group, nbytes=2 * 10**9)
@@ -60,7 +76,9 @@ def test_simulation_stalls_only_on_unfinished_collectives():
     wait = lambda name, of: Node(name, "wait", "wait_tensor", waits_for=of)
 
     exposed_first = [gather("ag"), wait("w", "ag"), compute("mm", 3.0)]
-    assert simulate([exposed_first], ranks, links, flops) == dict(step_s=4.0, compute_s=3.0, comm_s=1.0, exposed_s=1.0)
+    assert simulate([exposed_first], ranks, links, flops) == dict(
+        step_s=4.0, compute_s=3.0, comm_s=1.0, exposed_s=1.0, a2a_s=0.0, a2a_exposed_s=0.0
+    )
 
     hidden = [gather("ag"), compute("mm", 3.0), wait("w", "ag")]
     assert simulate([hidden], ranks, links, flops)["exposed_s"] == 0.0
@@ -73,14 +91,22 @@ def test_simulation_stalls_only_on_unfinished_collectives():
 
     # a collective starts when the compute stream reaches it, and graphs run one after another
     late = [compute("mm", 2.0), gather("ag"), wait("w", "ag")]
-    assert simulate([late, late], ranks, links, flops) == dict(step_s=6.0, compute_s=4.0, comm_s=2.0, exposed_s=2.0)
+    assert simulate([late, late], ranks, links, flops) == dict(
+        step_s=6.0, compute_s=4.0, comm_s=2.0, exposed_s=2.0, a2a_s=0.0, a2a_exposed_s=0.0
+    )
+
+    # all-to-all time and its exposed part are reported on their own
+    a2a = Node("a2a", "collective", "all_to_all", "h", nbytes=2 * 10**9)
+    mixed = [a2a, gather("ag"), compute("mm", 0.25), wait("w1", "a2a"), wait("w2", "ag")]
+    sim = simulate([mixed], ranks, links, flops)
+    assert (sim["a2a_s"], sim["a2a_exposed_s"], sim["exposed_s"]) == (1.0, 0.75, 0.75)
 
 
 def test_capture_costs_the_compiled_graphs_without_running_them(tmp_path):
     config = tmp_path / "tiny_moe.toml"
     config.write_text(TINY_MOE)
     graphs, ranks = comm_model.model_layout(str(config), comm_model.LAYOUTS["fsdp_ep2"], 8, 1,
-                                            comm_model.SimpleFSDPPasses())
+                                            comm_model.SimpleFSDPPasses(), ep_chunks=2)
     assert [kind for kind, _ in graphs] == ["forward", "backward"]
     off = [n for _, g in graphs for n in g["off"]]
     on = [n for _, g in graphs for n in g["on"]]
@@ -93,9 +119,9 @@ def test_capture_costs_the_compiled_graphs_without_running_them(tmp_path):
     assert {k: v for k, v in kinds(on).items() if k not in bucketed} == {k: v for k, v in kinds(off).items() if k not in bucketed}
     # the passes reorder compute, never change it
     assert sorted(n.flops for n in on if n.kind == "compute") == sorted(n.flops for n in off if n.kind == "compute")
-    # balanced routing: each MoE layer's dispatch sends its 64 tokens x top_k 2 rows of dim 64
+    # balanced routing, two token chunks: each dispatch sends half of the 64 tokens x top_k 2 rows of dim 64
     dispatch = [n for n in off if n.op == "all_to_all" and n.nbytes > 1024]
-    assert dispatch and {n.nbytes for n in dispatch[:2]} == {64 * 2 * 64 * 2}
+    assert dispatch and {n.nbytes for n in dispatch[:2]} == {32 * 2 * 64 * 2}
     # groups resolve to ranks: dense parameters on the 8 dp ranks, experts' edp and ep groups
     assert sorted(map(len, {tuple(r) for r in ranks.values()})) == [2, 4, 8]
     # traced as on a GPU (grouped_mm saves the weights, not per-row copies): backward re-gathers
@@ -182,7 +208,7 @@ def test_exposed_communication_is_what_no_other_kernel_covers():
 
 
 def test_multi_gpu_layouts_and_bus_bandwidth():
-    assert multi_gpu.fitting_layouts(8) == ["fsdp", "fsdp_ep2", "fsdp_tp2_ep2", "hsdp_4"]
+    assert multi_gpu.fitting_layouts(8) == ["fsdp", "fsdp_ep2", "fsdp_ep8", "fsdp_tp2_ep2", "hsdp_4"]
     assert multi_gpu.fitting_layouts(2) == ["fsdp", "fsdp_ep2", "fsdp_tp2_ep2"]
     assert multi_gpu.fitting_layouts(1) == []
     assert multi_gpu.bus_gbps(8 * 10**9, 1.0, 8) == 7.0

@@ -101,6 +101,12 @@ def test_bad_ep_degree(fake_world):
     _expect_error(r"ep must be a positive int; got True", ep=True)
 
 
+def test_bad_ep_chunks(fake_world):
+    _expect_error(r"ep_chunks must be a positive int \(1: no chunking\); got 0", ep=2, ep_chunks=0)
+    _expect_error(r"ep_chunks must be a positive int \(1: no chunking\); got 2.0", ep=2, ep_chunks=2.0)
+    _expect_error(r"ep_chunks=2 needs ep > 1: without expert parallelism there is no all-to-all", ep_chunks=2)
+
+
 def test_reshard_after_forward_must_be_a_bool(fake_world):
     for value in (2, "yes", None):
         _expect_error(rf"reshard_after_forward must be True or False .*got {value!r}", reshard_after_forward=value)

@@ -16,6 +16,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from simplefsdp import simple_fsdp
 from simplefsdp.baselines.fsdp2 import ShardPlacementResult, fsdp2
+from simplefsdp.models.llama import cross_entropy_loss
 from simplefsdp.models.moe import MoEConfig
 from simplefsdp.train.launch import run_ranks
 from tests import training as T
@@ -158,12 +159,14 @@ def test_moe_layer_graph_uses_each_mesh():
     collectives = [line for line in forward if "[" in line and not line.startswith("wait")]
     assert collectives == [
         "all_gather_into_tensor[dp_shard] float32",  # router gate
-        "all_to_all_single[ep] int32",  # tokens per expert
-        "all_to_all_single[ep] float32",  # dispatch
-        "all_gather_into_tensor[edp] float32",  # routed experts w1, w3, w2
+        "all_gather_into_tensor[edp] float32",  # routed experts w1, w2, w3, once for both chunks
         "all_gather_into_tensor[edp] float32",
         "all_gather_into_tensor[edp] float32",
-        "all_to_all_single[ep] float32",  # combine
+        "all_to_all_single[tokens] int32",  # tokens per expert, of both chunks
+        "all_to_all_single[tokens] float32",  # dispatch of chunk 0
+        "all_to_all_single[tokens] float32",  # dispatch of chunk 1
+        "all_to_all_single[tokens] float32",  # combine of chunk 0
+        "all_to_all_single[tokens] float32",  # combine of chunk 1
         "all_gather_into_tensor[dp_shard] float32",  # shared experts w1, w3, w2
         "all_gather_into_tensor[dp_shard] float32",
         "all_gather_into_tensor[dp_shard] float32",
@@ -173,7 +176,37 @@ def test_moe_layer_graph_uses_each_mesh():
     sums = [line for line in backward if " sum " in line]
     assert sums == ["reduce_scatter_tensor[edp] sum float32"] * 3
     # the counts exchange runs once, in forward; backward only moves gradients of token rows
-    assert [line for line in backward if line.startswith("all_to_all")] == ["all_to_all_single[ep] float32"] * 2
+    assert [line for line in backward if line.startswith("all_to_all")] == ["all_to_all_single[tokens] float32"] * 4
+
+
+def _chunking_body(compiled: bool):
+    """One step of FSDP4 x EP2 in 1 and in 2 token chunks: the loss and every full gradient."""
+    from simplefsdp.train.data import rank_slice
+
+    out = {}
+    for chunks in (1, 2):
+        model, runner, dp_rank, dp_size = T.wrapped_run(MOE, (4,), ("dp_shard",), 2, ep_chunks=chunks, compiled=compiled)
+        tokens, labels = rank_slice(T.batches(MOE)[0], dp_rank, dp_size)
+        loss = cross_entropy_loss(runner(tokens), labels)
+        loss.backward()
+        grads = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
+        out[chunks] = loss.item(), grads
+    return out
+
+
+@pytest.mark.parametrize("compiled", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["eager", "compiled"])
+def test_token_chunks_change_only_the_expert_weight_gradient_sums(compiled):
+    """Each token's result does not depend on the chunking: the loss and every gradient but the
+    routed experts' are bitwise equal with 1 and 2 chunks. The experts' weight gradients sum
+    per chunk, then over chunks, so they agree to rounding only."""
+    out = T.launch_once(_chunking_body, 4, compiled)
+    (loss1, grads1), (loss2, grads2) = out[1], out[2]
+    assert loss1 == loss2
+    experts = {n for n in grads1 if ".experts." in n and ".shared_experts." not in n}
+    assert experts and all(torch.equal(grads1[n], grads2[n]) for n in grads1 if n not in experts)
+    for n in experts:
+        torch.testing.assert_close(grads2[n], grads1[n], rtol=1e-5, atol=1e-7)
+    assert any(not torch.equal(grads1[n], grads2[n]) for n in experts)  # the test sees the summation order
 
 
 def _compiled_ep_losses():

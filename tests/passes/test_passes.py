@@ -234,24 +234,32 @@ all_gather_into_tensor_coalesced[dp_shard] float32
 wait all_gather_into_tensor_coalesced[dp_shard] x9
 all_gather_into_tensor_coalesced[dp_shard] float32
 wait all_gather_into_tensor_coalesced[dp_shard] x7
-all_to_all_single[ep] int32
-wait all_to_all_single[ep]
-all_to_all_single[ep] float32
-wait all_to_all_single[ep]
 all_gather_into_tensor_coalesced[edp] float32
 wait all_gather_into_tensor_coalesced[edp] x3
-all_to_all_single[ep] float32
-wait all_to_all_single[ep]
+all_to_all_single[tokens] int32
+wait all_to_all_single[tokens]
+all_to_all_single[tokens] float32
+wait all_to_all_single[tokens]
+all_to_all_single[tokens] float32
+wait all_to_all_single[tokens]
+all_to_all_single[tokens] float32
+wait all_to_all_single[tokens]
+all_to_all_single[tokens] float32
+wait all_to_all_single[tokens]
 wait all_gather_into_tensor_coalesced[dp_shard] x5""")
     tc.assertExpectedInline(_collectives(backward), """\
 all_gather_into_tensor_coalesced[dp_shard] float32
 wait all_gather_into_tensor_coalesced[dp_shard] x2
-all_to_all_single[ep] float32
-wait all_to_all_single[ep]
+all_to_all_single[tokens] float32
+wait all_to_all_single[tokens]
+all_to_all_single[tokens] float32
+wait all_to_all_single[tokens]
+all_to_all_single[tokens] float32
+wait all_to_all_single[tokens]
+all_to_all_single[tokens] float32
+wait all_to_all_single[tokens]
 reduce_scatter_tensor[edp] sum float32
 wait reduce_scatter_tensor[edp]
-all_to_all_single[ep] float32
-wait all_to_all_single[ep]
 all_gather_into_tensor_coalesced[dp_shard] float32
 wait all_gather_into_tensor_coalesced[dp_shard] x7
 reduce_scatter_tensor[dp_shard] avg float32
@@ -317,21 +325,29 @@ def test_default_passes_change_no_bit(run):
 
 
 def test_a2a_overlap_moe_layer(tc):
-    """FSDP4 x EP2: the shared experts' all-gathers and first two matmuls run between the dispatch
+    """FSDP4 x EP2, one token chunk: the shared experts' all-gathers and first two matmuls run between the dispatch
     all-to-all and its wait, their last matmul between the combine and its wait; in backward
     the shared experts' gradient matmuls (and reduce-scatters) sit under the two gradient
     all-to-alls. Before the pass every all-to-all is waited on at once (see test_moe_graphs)."""
     from tests.moe.test_moe_graphs import _moe_layer_graphs
 
-    forward, backward = ("\n".join(g) for g in _moe_layer_graphs((8,), ("dp_shard",), 2, passes=[AllToAllOverlap()]))
+    forward, backward = (
+        "\n".join(g) for g in _moe_layer_graphs((8,), ("dp_shard",), 2, passes=[AllToAllOverlap()], ep_chunks=1)
+    )
     tc.assertExpectedInline(forward, """\
 all_gather_into_tensor[dp_shard] float32
 wait all_gather_into_tensor[dp_shard]
 mm float32
-all_to_all_single[ep] int32
-wait all_to_all_single[ep]
+all_gather_into_tensor[edp] float32
+wait all_gather_into_tensor[edp]
+all_gather_into_tensor[edp] float32
+wait all_gather_into_tensor[edp]
+all_gather_into_tensor[edp] float32
+wait all_gather_into_tensor[edp]
+all_to_all_single[tokens] int32
+wait all_to_all_single[tokens]
 wait ?
-all_to_all_single[ep] float32
+all_to_all_single[tokens] float32
 all_gather_into_tensor[dp_shard] float32
 wait all_gather_into_tensor[dp_shard]
 all_gather_into_tensor[dp_shard] float32
@@ -340,34 +356,22 @@ all_gather_into_tensor[dp_shard] float32
 wait all_gather_into_tensor[dp_shard]
 bmm float32
 bmm float32
-wait all_to_all_single[ep]
-all_gather_into_tensor[edp] float32
-wait all_gather_into_tensor[edp]
-all_gather_into_tensor[edp] float32
-wait all_gather_into_tensor[edp]
-all_gather_into_tensor[edp] float32
-wait all_gather_into_tensor[edp]
+wait all_to_all_single[tokens]
 bmm float32
 bmm float32
 bmm float32
-all_to_all_single[ep] float32
+all_to_all_single[tokens] float32
 bmm float32
-wait all_to_all_single[ep]""")
+wait all_to_all_single[tokens]""")
     tc.assertExpectedInline(backward, """\
-all_to_all_single[ep] float32
+all_to_all_single[tokens] float32
 bmm float32
 bmm float32
-wait all_to_all_single[ep]
+wait all_to_all_single[tokens]
 bmm float32
 bmm float32
 bmm float32
-reduce_scatter_tensor[edp] sum float32
-wait reduce_scatter_tensor[edp]
-reduce_scatter_tensor[edp] sum float32
-wait reduce_scatter_tensor[edp]
-reduce_scatter_tensor[edp] sum float32
-wait reduce_scatter_tensor[edp]
-all_to_all_single[ep] float32
+all_to_all_single[tokens] float32
 bmm float32
 reduce_scatter_tensor[dp_shard] avg float32
 wait reduce_scatter_tensor[dp_shard]
@@ -375,7 +379,13 @@ reduce_scatter_tensor[dp_shard] avg float32
 wait reduce_scatter_tensor[dp_shard]
 reduce_scatter_tensor[dp_shard] avg float32
 wait reduce_scatter_tensor[dp_shard]
-wait all_to_all_single[ep]
+wait all_to_all_single[tokens]
+reduce_scatter_tensor[edp] sum float32
+wait reduce_scatter_tensor[edp]
+reduce_scatter_tensor[edp] sum float32
+wait reduce_scatter_tensor[edp]
+reduce_scatter_tensor[edp] sum float32
+wait reduce_scatter_tensor[edp]
 mm float32
 all_gather_into_tensor[dp_shard] float32
 wait all_gather_into_tensor[dp_shard]

@@ -40,6 +40,8 @@ def _error(capsys, *argv) -> str:
         (MOE, ["--parallel.ep", 3], "parallel.ep: 3 does not divide dp_shard 4"),
         (MOE, ["--model.num_experts", 6, "--parallel.ep", 4], "parallel.ep: 4 does not divide model.num_experts 6"),
         (DENSE, ["--parallel.ep", 2], "parallel.ep: expert parallelism needs model.kind = 'moe'"),
+        (MOE, ["--parallel.ep", 1, "--parallel.ep_chunks", 2], "parallel.ep_chunks: 2 needs parallel.ep > 1"),
+        (MOE, ["--parallel.ep", 2, "--parallel.ep_chunks", -1], "parallel.ep_chunks: must be >= 1 (or 0: the default), got -1"),
         (DENSE, ["--model.num_experts", 4], "model.num_experts: not a field of dense models"),
         (DENSE, ["--model.n_heads", 5], "model.n_heads: 5 does not divide model.dim 64"),
         (DENSE, ["--ranks", 4, "--parallel.dp_shard", 3], "parallel.dp_shard: dp_replicate 1 x dp_shard 3 x tp 1 = 3, but there are 4 ranks"),
