@@ -11,9 +11,11 @@ The graphs are the GPU's: experts run on ``torch._grouped_mm`` as they do on CUD
 stand-in indexes weights per row, which changes what backward saves and so what it re-gathers),
 and attention counts the FLOPs of the fused kernel. Each graph is then costed node by node:
 
-* a collective moves its bytes over its process group: ``latency + bytes * (n-1)/n / bandwidth``
-  (twice that for an all-reduce), with the NVLink bus bandwidth for groups inside one node of
-  ``--gpus-per-node`` ranks and the inter-node bandwidth for groups that span nodes;
+* a collective moves its bytes over its process group: ``latency + bytes * (n-1)/n / busbw``
+  (twice that for an all-reduce), where the bus bandwidth grows with the message size toward the
+  NVLink peak for groups inside one node of ``--gpus-per-node`` ranks, and toward the inter-node
+  bandwidth for groups that span nodes (:class:`Links`, whose defaults cite published
+  nccl-tests runs; ``--bandwidth-sweep`` takes a measured sweep instead);
 * a matmul, grouped matmul or attention node costs its FLOPs at a compute rate; other nodes cost
   nothing. Two rates are reported: the measured dense matmul ceiling
   (``benchmarks/results/moe_kernels_h200.json``), which leaves out all non-matmul time and so
@@ -24,10 +26,17 @@ and attention counts the FLOPs of the fused kernel. Each graph is then costed no
 and simulated in graph order with one compute stream and one stream per process group: a
 collective starts once the compute stream has reached it and its group's previous collective has
 finished; a wait stalls the compute stream until its collective is done. Exposed communication is
-the total stall. Routing is assumed balanced: every expert-parallel split (an unbacked size in the
-graph) is the rank's routed rows over ``ep``. Each rank trains on ``--seqs-per-rank`` sequences.
+the total stall; the all-to-all hidden is the share of all-to-all time that never stalls compute.
+Routing is assumed balanced: every expert-parallel split (an unbacked size in the graph) is the
+rank's routed rows of one token chunk over ``ep``. Each rank trains on ``--seqs-per-rank``
+sequences. Each layout is costed in three schedules (:data:`SCHEDULES`): no passes, the default
+passes with one token chunk per MoE layer, and with two.
 
-    python benchmarks/comm_model.py --worlds 8,64 [--out benchmarks/results/comm_model.json] [--results-md]
+What it leaves out: collectives of different groups share no bandwidth (each gets its link's
+full rate even when they run at once), routing is balanced, a host sync (the split sizes' ``tolist``)
+costs nothing, and non-matmul kernels cost nothing at the ``matmul`` rate.
+
+    python benchmarks/comm_model.py --worlds 8,64 --seqs-per-rank 1,4,8 [--out benchmarks/results/comm_model.json] [--results-md]
     python benchmarks/comm_model.py --report benchmarks/results/comm_model.json   # RESULTS.md section
 """
 
@@ -85,10 +94,13 @@ class Layout:
         return dict(dp_replicate=replicate, dp_shard=world // (replicate * self.tp), tp=self.tp, ep=self.ep)
 
     def fits(self, world: int) -> bool:
-        """Whether the layout can use ``world`` ranks (HSDP: two replicas at least)."""
+        """Whether the layout can use ``world`` ranks (HSDP: two replicas at least; ep must divide
+        the ranks experts spread over)."""
         if self.hsdp_shard:
             return world % self.hsdp_shard == 0 and world >= 2 * self.hsdp_shard
-        return world % (self.dp_replicate * self.tp) == 0
+        if world % (self.dp_replicate * self.tp):
+            return False
+        return self.degrees(world)["dp_shard"] * self.tp % self.ep == 0  # ep splits dp_shard x tp
 
     def overrides(self, world: int) -> list[tuple[str, str]]:
         """Config overrides (``--section.key value`` pairs) for this layout at ``world`` ranks."""
@@ -103,7 +115,7 @@ class Layout:
         return head + (f"×TP{self.tp}" if self.tp > 1 else "") + experts
 
 
-LAYOUTS = {"fsdp": Layout(), "fsdp_ep2": Layout(ep=2), "fsdp_tp2_ep2": Layout(tp=2, ep=2),
+LAYOUTS = {"fsdp": Layout(), "fsdp_ep2": Layout(ep=2), "fsdp_ep8": Layout(ep=8), "fsdp_tp2_ep2": Layout(tp=2, ep=2),
            "hsdp_4": Layout(hsdp_shard=4)}
 
 
@@ -241,29 +253,78 @@ def _empty_like(val, unbacked: dict):
     return val
 
 
+# Default collective costs: NVLink 4 / NVSwitch (H100 and H200 share them), nccl-tests bus bandwidth.
+# - 370 GB/s: what NCCL reaches over NVLink on 8 H100s for all-gather and reduce-scatter at large
+#   sizes, "256M is too small to reach peak" (S. Jeaugey, NVIDIA/nccl-tests#212, 2024-05-06);
+# - 335 GB/s: alltoall_perf on 4 H100s at 500 MB, busbw 335-338 GB/s (NVIDIA/nccl#2169);
+# - 48 GB/s between nodes: one 400 Gb/s NDR NIC per GPU reaches 46-48 GB/s (NVIDIA/nccl-tests#290);
+# - 12 us: the small-message time of an 8-GPU NVLink-4 all-reduce (H20, deepseek-ai/DeepEP#303).
+# Below the peak, bus bandwidth grows with message size: busbw(S) = peak * S / (S + HALF_MB), the
+# saturating shape of those sweeps; HALF_MB = 4 puts 1 MB at 20% of the peak, 16 MB at 80% and
+# 256 MB at 98%. A measured sweep (benchmarks/multi_gpu.py's, --bandwidth-sweep) replaces all of it.
+NVLINK_GBPS, ALL_TO_ALL_GBPS, INTER_NODE_GBPS, LATENCY_US, HALF_MB = 370.0, 335.0, 48.0, 12.0, 4.0
+
+
+def _interpolate(points: list[tuple[float, float]], x: float) -> float:
+    """Piecewise linear in log(x) through sorted ``(x, y)`` points, constant beyond the ends."""
+    import math
+
+    if x <= points[0][0]:
+        return points[0][1]
+    for (x0, y0), (x1, y1) in zip(points, points[1:]):
+        if x <= x1:
+            return y0 + (y1 - y0) * math.log(x / x0) / math.log(x1 / x0)
+    return points[-1][1]
+
+
 @dataclasses.dataclass
 class Links:
-    """Collective cost parameters."""
+    """Collective cost: ``latency + factor * bytes * (n-1)/n / busbw(kind, bytes)``.
 
-    intra_gbps: float = 370.0  # NVLink bus bandwidth per GPU, GB/s
-    inter_gbps: float = 50.0  # between nodes, GB/s per GPU
-    latency_us: float = 10.0  # per collective
+    ``busbw`` saturates with message size toward the peak of the link (``intra_gbps`` for
+    gathers and reductions inside a node of ``gpus_per_node`` ranks, ``all_to_all_gbps`` for
+    all-to-alls there, ``inter_gbps`` across nodes), half of it at ``half_mb``; ``half_mb = 0``
+    is a flat bandwidth. ``sweep`` (kind -> measured ``(bytes, busbw GB/s)`` points in a node)
+    replaces the formula, latency included, for the kinds it covers. An all-reduce moves twice.
+    """
+
+    intra_gbps: float = NVLINK_GBPS
+    inter_gbps: float = INTER_NODE_GBPS
+    latency_us: float = LATENCY_US
     gpus_per_node: int = 8
+    all_to_all_gbps: float | None = ALL_TO_ALL_GBPS  # None: intra_gbps
+    half_mb: float = HALF_MB
+    sweep: dict[str, list[tuple[float, float]]] | None = None
+
+    def bus_gbps(self, kind: str, nbytes: int, inside: bool) -> float:
+        if inside and self.sweep and kind in self.sweep:
+            return _interpolate(self.sweep[kind], nbytes)
+        peak = self.inter_gbps if not inside else (self.all_to_all_gbps or self.intra_gbps) if kind == "all_to_all" else self.intra_gbps
+        return peak * nbytes / (nbytes + self.half_mb * 1e6) if self.half_mb else peak
 
     def seconds(self, kind: str, nbytes: int, ranks: list[int]) -> float:
         n = len(ranks)
-        if n == 1:
+        if n == 1 or nbytes == 0:
             return 0.0
         inside = len({r // self.gpus_per_node for r in ranks}) == 1
-        bandwidth = 1e9 * (self.intra_gbps if inside else self.inter_gbps)
         factor = 2 if kind == "all_reduce" else 1
-        return self.latency_us * 1e-6 + factor * nbytes * (n - 1) / n / bandwidth
+        latency = 0.0 if inside and self.sweep and kind in self.sweep else self.latency_us * 1e-6
+        return latency + factor * nbytes * (n - 1) / n / (1e9 * self.bus_gbps(kind, nbytes, inside))
+
+
+def sweep_from_results(path: str) -> dict[str, list[tuple[float, float]]]:
+    """Measured ``(bytes, busbw)`` points per kind from ``benchmarks/multi_gpu.py``'s results file."""
+    out: dict[str, list[tuple[float, float]]] = {}
+    for row in json.load(open(path))["sweep"]:
+        out.setdefault(row["op"], []).append((row["mb"] * 1e6, row["bus_gbps"]))
+    return {kind: sorted(points) for kind, points in out.items()}
 
 
 def simulate(graphs: list[list[Node]], group_ranks: dict[str, list[int]], links: Links, flops_per_s: float) -> dict:
-    """Step time, compute, communication and exposed communication (seconds) of graphs run in order."""
-    now = compute = comm = exposed = 0.0
-    free, done = {}, {}
+    """Step time, compute, communication and exposed communication (seconds) of graphs run in
+    order; ``a2a_s`` and ``a2a_exposed_s`` are the all-to-alls' share of the last two."""
+    now = compute = comm = exposed = a2a = a2a_exposed = 0.0
+    free, done, kind = {}, {}, {}
     for nodes in graphs:
         for node in nodes:
             if node.kind == "compute":
@@ -274,12 +335,15 @@ def simulate(graphs: list[list[Node]], group_ranks: dict[str, list[int]], links:
                 cost = links.seconds(node.op, node.nbytes, group_ranks[node.group])
                 start = max(now, free.get(node.group, 0.0))
                 free[node.group] = done[node.name] = start + cost
+                kind[node.name] = node.op
                 comm += cost
+                a2a += cost if node.op == "all_to_all" else 0.0
             elif node.waits_for in done:
                 stall = max(0.0, done[node.waits_for] - now)
                 exposed += stall
+                a2a_exposed += stall if kind[node.waits_for] == "all_to_all" else 0.0
                 now += stall
-    return dict(step_s=now, compute_s=compute, comm_s=comm, exposed_s=exposed)
+    return dict(step_s=now, compute_s=compute, comm_s=comm, exposed_s=exposed, a2a_s=a2a, a2a_exposed_s=a2a_exposed)
 
 
 def _group_ranks(nodes: list[Node]) -> dict[str, list[int]]:
@@ -297,19 +361,22 @@ def grouped_mm_kernels():
         yield
 
 
-def model_layout(config: str, layout: Layout, world: int, seqs_per_rank: int, passes: SimpleFSDPPasses):
-    """Compile one step of ``config`` at ``world`` ranks in ``layout``; the captured graphs."""
+def model_layout(config: str, layout: Layout, world: int, seqs_per_rank: int, passes: SimpleFSDPPasses, ep_chunks: int = 1):
+    """Compile one step of ``config`` at ``world`` ranks in ``layout`` (MoE layers in
+    ``ep_chunks`` token chunks where ``ep > 1``); the captured graphs."""
     d = layout.degrees(world)
+    chunks = ep_chunks if layout.ep > 1 else 1
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
     try:
         dp = d["dp_replicate"] * d["dp_shard"]
         cfg = load(os.path.join(ROOT, config), layout.overrides(world) + [
-            ("training.compile", "false"), ("training.global_batch", str(dp * seqs_per_rank))])
+            ("training.compile", "false"), ("training.global_batch", str(dp * seqs_per_rank)),
+            ("parallel.ep_chunks", str(chunks))])
         validate(cfg, world)
         model, _, _ = build(cfg, world, "cpu")
         m, t = cfg.model_config(), cfg.training
         routed_rows = seqs_per_rank * t.seq_len * getattr(m, "top_k", 1) // d["tp"]
-        capture = Capture(passes, routed_rows // d["ep"])
+        capture = Capture(passes, routed_rows // (d["ep"] * chunks))  # each chunk's split per ep rank
         step = torch.compile(lambda x, y: cross_entropy_loss(model(x), y), backend=capture, fullgraph=True)
         tokens = torch.zeros(seqs_per_rank, t.seq_len, dtype=torch.long)
         with grouped_mm_kernels():
@@ -343,16 +410,26 @@ def achieved_tflops(path: str = STEP_TIME) -> float | None:
     return None
 
 
+SCHEDULES = {  # name -> (token chunks per MoE layer, passes on)
+    "off": (1, False),  # no passes: every collective waited on where traced
+    "passes": (1, True),  # the default passes with one chunk: all-to-alls overlap shared experts only
+    "chunked": (2, True),  # the default passes with two chunks: routed experts under the other chunk's all-to-alls
+}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--config", default="configs/gpu_moe.toml")
     p.add_argument("--layouts", default=",".join(LAYOUTS), help=f"comma-separated, from {list(LAYOUTS)}")
     p.add_argument("--worlds", default="8,64")
-    p.add_argument("--seqs-per-rank", type=int, default=1)
+    p.add_argument("--seqs-per-rank", default="1,4,8", help="comma-separated: sequences each rank trains on")
     p.add_argument("--intra-gbps", type=float, default=Links.intra_gbps)
+    p.add_argument("--all-to-all-gbps", type=float, default=Links.all_to_all_gbps)
     p.add_argument("--inter-gbps", type=float, default=Links.inter_gbps)
     p.add_argument("--latency-us", type=float, default=Links.latency_us)
+    p.add_argument("--half-mb", type=float, default=Links.half_mb, help="message size at half the peak bus bandwidth; 0: flat")
     p.add_argument("--gpus-per-node", type=int, default=Links.gpus_per_node)
+    p.add_argument("--bandwidth-sweep", help="a benchmarks/multi_gpu.py results file: its NCCL sweep replaces the formula")
     p.add_argument("--matmul-tflops", type=float, help="default: the measured dense ceiling in " + KERNELS)
     p.add_argument("--achieved-tflops", type=float,
                    help="a second compute rate: default, the model FLOP/s measured in " + STEP_TIME)
@@ -360,27 +437,35 @@ def main() -> None:
     args = p.parse_args()
     if args.report:
         return publish("comm_model", "Communication cost model", markdown, json.load(open(args.report)), args)
-    links = Links(args.intra_gbps, args.inter_gbps, args.latency_us, args.gpus_per_node)
+    sweep = sweep_from_results(args.bandwidth_sweep) if args.bandwidth_sweep else None
+    links = Links(args.intra_gbps, args.inter_gbps, args.latency_us, args.gpus_per_node, args.all_to_all_gbps, args.half_mb, sweep)
     rates = {"matmul": args.matmul_tflops or json.load(open(KERNELS))["rows"][0]["tflops"]}
     if achieved := args.achieved_tflops or achieved_tflops():
         rates["achieved"] = achieved
     rows = []
-    for world in map(int, args.worlds.split(",")):
-        for key in args.layouts.split(","):
-            layout = LAYOUTS[key]
-            if not layout.fits(world):
-                print(f"{key}: does not fit {world} ranks, skipped", flush=True)
-                continue
-            begin = time.perf_counter()
-            graphs, ranks = model_layout(args.config, layout, world, args.seqs_per_rank, SimpleFSDPPasses())
-            for when in ("off", "on"):
-                nodes = [g[when] for _, g in graphs]
-                sims = {name: simulate(nodes, ranks, links, tflops * 1e12) for name, tflops in rates.items()}
-                rows.append(dict(world=world, layout=layout.name(world), passes=when, simulated=sims,
-                                 collectives=_summary([n for g in nodes for n in g])))
-                print(rows[-1], f"({time.perf_counter() - begin:.0f} s)", flush=True)
+    for seqs in map(int, args.seqs_per_rank.split(",")):
+        for world in map(int, args.worlds.split(",")):
+            for key in args.layouts.split(","):
+                layout = LAYOUTS[key]
+                if not layout.fits(world):
+                    print(f"{key}: does not fit {world} ranks, skipped", flush=True)
+                    continue
+                captured = {}
+                for schedule, (chunks, on) in SCHEDULES.items():
+                    if chunks > 1 and layout.ep == 1:
+                        continue
+                    begin = time.perf_counter()
+                    if chunks not in captured:
+                        captured[chunks] = model_layout(args.config, layout, world, seqs, SimpleFSDPPasses(), chunks)
+                    graphs, ranks = captured[chunks]
+                    nodes = [g["on" if on else "off"] for _, g in graphs]
+                    sims = {name: simulate(nodes, ranks, links, tflops * 1e12) for name, tflops in rates.items()}
+                    rows.append(dict(world=world, seqs_per_rank=seqs, layout=layout.name(world), schedule=schedule,
+                                     simulated=sims, collectives=_summary([n for g in nodes for n in g])))
+                    print(rows[-1], f"({time.perf_counter() - begin:.0f} s)", flush=True)
     result = dict(environment=environment("CPU, fake process group"), command=command_line(), config=args.config,
-                  links=dataclasses.asdict(links), rates_tflops=rates, seqs_per_rank=args.seqs_per_rank, rows=rows)
+                  links={k: v for k, v in dataclasses.asdict(links).items() if k != "sweep"},
+                  bandwidth_sweep=args.bandwidth_sweep, rates_tflops=rates, rows=rows)
     publish("comm_model", "Communication cost model", markdown, result, args)
 
 
@@ -388,27 +473,28 @@ def markdown(result: dict) -> str:
     links, rates = result["links"], result["rates_tflops"]
     rate_text = {"matmul": f"the dense matmul ceiling, {rates['matmul']:.0f} TFLOP/s",
                  "achieved": f"the model FLOP/s compiled SimpleFSDP reached on one GPU, {rates.get('achieved', 0):.0f} TFLOP/s"}
-    head = (f"**{result['environment']}**: `{result['command']}`; `{result['config']}`, {result['seqs_per_rank']} "
-            f"sequence(s) per rank; {links['intra_gbps']:.0f} GB/s in a node of {links['gpus_per_node']}, "
-            f"{links['inter_gbps']:.0f} GB/s between nodes, {links['latency_us']:.0f} µs per collective. Compute at "
-            + " and at ".join(f"{rate_text[name]} ({name})" for name in rates) + ".\n\n")
-    rows, off = [], {}
+    bandwidth = (f"the NCCL sweep in `{result['bandwidth_sweep']}`" if result.get("bandwidth_sweep") else
+                 f"bus bandwidth saturating with message size toward {links['intra_gbps']:.0f} GB/s "
+                 f"(all-to-all {links['all_to_all_gbps']:.0f}), half of it at {links['half_mb']:g} MB, "
+                 f"plus {links['latency_us']:g} µs per collective")
+    head = (f"**{result['environment']}**: `{result['command']}`; `{result['config']}`; {bandwidth} in a node of "
+            f"{links['gpus_per_node']}, {links['inter_gbps']:.0f} GB/s between nodes. Compute at "
+            + " and at ".join(f"{rate_text[name]} ({name})" for name in rates) + ". Schedules: `off` (no passes), "
+            "`passes` (default passes, one token chunk: all-to-alls under shared experts), `chunked` (default "
+            "passes, two token chunks).\n\n")
+    rows = []
     for r in result["rows"]:
-        key = (r["world"], r["layout"])
-        if r["passes"] == "off":
-            off[key] = r
-        row = [r["world"], r["layout"], r["passes"],
-               ", ".join(f"{k} {n} ({gb:.2f} GB)" for k, (n, gb) in sorted(r["collectives"].items())),
-               1e3 * next(iter(r["simulated"].values()))["comm_s"]]
+        row = [r["world"], r["seqs_per_rank"], r["layout"], r["schedule"],
+               ", ".join(f"{k} {n} ({gb:.2f} GB)" for k, (n, gb) in sorted(r["collectives"].items()))]
         for name in rates:
-            sim, base = r["simulated"][name], off[key]["simulated"][name]
-            cut = 1 - sim["exposed_s"] / base["exposed_s"] if r["passes"] == "on" and base["exposed_s"] else None
-            row += [f"{1e3 * sim['compute_s']:.1f} / {1e3 * sim['exposed_s']:.1f} ({100 * sim['exposed_s'] / sim['step_s']:.0f}%)",
-                    None if cut is None else f"{100 * cut:.0f}%"]
+            sim = r["simulated"][name]
+            hidden = 1 - sim["a2a_exposed_s"] / sim["a2a_s"] if sim["a2a_s"] else None
+            row += [f"{1e3 * sim['step_s']:.1f}", f"{1e3 * sim['exposed_s']:.1f} ({100 * sim['exposed_s'] / sim['step_s']:.0f}%)",
+                    None if hidden is None else f"{100 * hidden:.0f}% of {1e3 * sim['a2a_s']:.1f}"]
         rows.append(row)
-    headers = ["GPUs", "layout", "passes", "collectives per rank per step (bytes)", "comm ms"]
+    headers = ["GPUs", "seqs/rank", "layout", "schedule", "collectives per rank per step (bytes)"]
     for name in rates:
-        headers += [f"{name}: compute / exposed ms (% of step)", f"{name}: exposed cut"]
+        headers += [f"{name}: step ms", f"{name}: exposed comm ms (% of step)", f"{name}: all-to-all hidden (of ms)"]
     return head + table(headers, rows)
 
 
