@@ -473,22 +473,27 @@ def markdown(result: dict) -> str:
     links, rates = result["links"], result["rates_tflops"]
     rate_text = {"matmul": f"the dense matmul ceiling, {rates['matmul']:.0f} TFLOP/s",
                  "achieved": f"the model FLOP/s compiled SimpleFSDP reached on one GPU, {rates.get('achieved', 0):.0f} TFLOP/s"}
-    bandwidth = (f"the NCCL sweep in `{result['bandwidth_sweep']}`" if result.get("bandwidth_sweep") else
-                 f"bus bandwidth saturating with message size toward {links['intra_gbps']:.0f} GB/s "
-                 f"(all-to-all {links['all_to_all_gbps']:.0f}), half of it at {links['half_mb']:g} MB, "
-                 f"plus {links['latency_us']:g} µs per collective")
+    if result.get("bandwidth_sweep"):
+        bandwidth = f"the NCCL sweep in `{result['bandwidth_sweep']}`"
+    elif links.get("half_mb"):
+        bandwidth = (f"bus bandwidth saturating with message size toward {links['intra_gbps']:.0f} GB/s "
+                     f"(all-to-all {links['all_to_all_gbps'] or links['intra_gbps']:.0f}), half of it at "
+                     f"{links['half_mb']:g} MB, plus {links['latency_us']:g} µs per collective")
+    else:  # results of the flat-bandwidth model (before message sizes)
+        bandwidth = f"{links['intra_gbps']:.0f} GB/s at any size, plus {links['latency_us']:g} µs per collective"
     head = (f"**{result['environment']}**: `{result['command']}`; `{result['config']}`; {bandwidth} in a node of "
             f"{links['gpus_per_node']}, {links['inter_gbps']:.0f} GB/s between nodes. Compute at "
             + " and at ".join(f"{rate_text[name]} ({name})" for name in rates) + ". Schedules: `off` (no passes), "
             "`passes` (default passes, one token chunk: all-to-alls under shared experts), `chunked` (default "
             "passes, two token chunks).\n\n")
     rows = []
-    for r in result["rows"]:
-        row = [r["world"], r["seqs_per_rank"], r["layout"], r["schedule"],
+    for r in result["rows"]:  # older results: passes off / on, one seqs_per_rank for the file, no a2a split
+        schedule = r.get("schedule") or {"on": "passes"}.get(r["passes"], r["passes"])
+        row = [r["world"], r.get("seqs_per_rank", result.get("seqs_per_rank")), r["layout"], schedule,
                ", ".join(f"{k} {n} ({gb:.2f} GB)" for k, (n, gb) in sorted(r["collectives"].items()))]
         for name in rates:
             sim = r["simulated"][name]
-            hidden = 1 - sim["a2a_exposed_s"] / sim["a2a_s"] if sim["a2a_s"] else None
+            hidden = 1 - sim["a2a_exposed_s"] / sim["a2a_s"] if sim.get("a2a_s") else None
             row += [f"{1e3 * sim['step_s']:.1f}", f"{1e3 * sim['exposed_s']:.1f} ({100 * sim['exposed_s'] / sim['step_s']:.0f}%)",
                     None if hidden is None else f"{100 * hidden:.0f}% of {1e3 * sim['a2a_s']:.1f}"]
         rows.append(row)
