@@ -138,12 +138,15 @@ def test_fsdp2_tp2_ep2(tc):
     forward, backward = _moe_layer_graphs((4, 2), ("dp_shard", "tp"), 2)
     tc.assertExpectedInline(collectives(forward), """\
 all_gather_into_tensor[dp_shard] float32
-all_to_all_single[ep] int32
-all_to_all_single[ep] float32
 all_gather_into_tensor[edp] float32
 all_gather_into_tensor[edp] float32
 all_gather_into_tensor[edp] float32
-all_to_all_single[ep] float32
+all_to_all_single[tokens] int32
+all_to_all_single[tokens] float32
+all_to_all_single[tokens] float32
+all_to_all_single[tokens] float32
+all_to_all_single[tokens] float32
+all_gather_into_tensor[tp] float32
 all_gather_into_tensor[tp] float32
 all_gather_into_tensor[dp_shard] float32
 all_gather_into_tensor[dp_shard] float32
@@ -152,12 +155,15 @@ all_gather_into_tensor[dp_shard] float32""")
 reduce_scatter_tensor[dp_shard] avg float32
 reduce_scatter_tensor[dp_shard] avg float32
 reduce_scatter_tensor[dp_shard] avg float32
-all_to_all_single[ep] float32
-reduce_scatter_tensor[edp] sum float32
-reduce_scatter_tensor[edp] sum float32
-reduce_scatter_tensor[edp] sum float32
-all_to_all_single[ep] float32
+all_to_all_single[tokens] float32
+all_to_all_single[tokens] float32
+all_to_all_single[tokens] float32
+all_to_all_single[tokens] float32
 all_gather_into_tensor[tp] float32
+all_gather_into_tensor[tp] float32
+reduce_scatter_tensor[edp] sum float32
+reduce_scatter_tensor[edp] sum float32
+reduce_scatter_tensor[edp] sum float32
 all_gather_into_tensor[dp_shard] float32
 reduce_scatter_tensor[dp_shard] avg float32""")
 
