@@ -411,17 +411,18 @@ def _a2a_windows(lines: list[str]) -> list[list[str]]:
     "shape,names", [((4, 2), ("dp_shard", "tp")), ((2, 2, 2), ("dp_replicate", "dp_shard", "tp"))], ids=["fsdp", "hsdp"]
 )
 def test_a2a_overlap_moe_layer_with_tp(fake_world, shape, names):
-    """With TP the combined rows are all-gathered over tp after the combine; a shared-expert
-    matmul still runs under every float all-to-all, forward and backward."""
+    """One token chunk, with TP: the combined rows are all-gathered over tp after the combine; a
+    shared-expert matmul still runs under every float all-to-all, forward and backward. (Chunks
+    with TP: test_moe_graphs.py's chunk schedule test.)"""
     from tests.moe.test_moe_graphs import _moe_layer_graphs
 
-    graphs = ["\n".join(g) for g in _moe_layer_graphs(shape, names, 2, passes=[AllToAllOverlap()])]
+    graphs = ["\n".join(g) for g in _moe_layer_graphs(shape, names, 2, passes=[AllToAllOverlap()], ep_chunks=1)]
     for graph in graphs:
         windows = _a2a_windows(graph.splitlines())
         assert len(windows) == 2, graph
         assert all(any(line.split()[0] in ("mm", "bmm") for line in w) for w in windows), graph
     forward = graphs[0].splitlines()
-    combine_wait = max(i for i, line in enumerate(forward) if line == "wait all_to_all_single[ep]")
+    combine_wait = max(i for i, line in enumerate(forward) if line == "wait all_to_all_single[tokens]")
     assert forward[combine_wait + 1 :] == ["all_gather_into_tensor[tp] float32", "wait all_gather_into_tensor[tp]"]
 
 
