@@ -16,18 +16,20 @@ def fake_world_at(rank: int):
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=8)
     yield 8
     dist.destroy_process_group()
-    _forget_meshes_of_destroyed_groups()
 
 
-def _forget_meshes_of_destroyed_groups() -> None:
-    """Clear DTensor's sharding-propagation cache: it keys on DeviceMesh equality (ranks and dim
-    names), so a later world's op would get output specs holding this world's meshes, whose
-    process groups are gone ("Could not resolve the process group registered under the name")."""
+@pytest.fixture(autouse=True)
+def _forget_meshes_of_earlier_worlds():
+    """Clear DTensor's sharding-propagation cache before each test: it keys on DeviceMesh
+    equality (ranks and dim names), so an op could get output specs holding the mesh of an earlier
+    world (a fake world, or the cost model's), whose process groups are gone ("Could not resolve
+    the process group registered under the name 15")."""
     from torch.distributed.tensor import DTensor
 
     cached = DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding
     if hasattr(cached, "cache_clear"):
         cached.cache_clear()
+    yield
 
 
 @pytest.fixture(scope="module")
