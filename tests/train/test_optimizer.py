@@ -54,11 +54,15 @@ def test_grouped_fused_adamw_matches_per_parameter_adamw(fake_world):
     assert worst < 1e-6
 
 
-def test_clipping_scales_every_gradient_as_torch_does(fake_world):
+def _clipping_body():
     """Gradients on two meshes (dense and expert) are scaled as torch's clipping scales the same
     local tensors (``get_total_norm``, then ``max_norm / (norm + 1e-6)``). (The fake group's all-reduce moves no data, so the norm is over this
     rank's shards; the 4-rank gradient tests check the global norm.)"""
     from simplefsdp.train.grad_norm import clip_grads_
+    from tests.conftest import fake_world_at
+
+    world = fake_world_at(0)
+    next(world)
 
     model = _wrapped_moe()
     gen = torch.Generator().manual_seed(0)
@@ -72,3 +76,13 @@ def test_clipping_scales_every_gradient_as_torch_does(fake_world):
     assert norm.item() == pytest.approx(expected_norm.item(), rel=1e-6) and expected_norm > 1.0
     worst = max((p.grad.to_local() - e).abs().max().item() for p, e in zip(model.parameters(), expected))
     assert worst < 1e-7
+    next(world, None)
+
+
+def test_clipping_scales_every_gradient_as_torch_does():
+    """Runs in a fresh process: in the full suite, a DTensor spec cached in this process by an
+    earlier test handed it a mesh whose process group no longer resolves (not yet understood)."""
+    import multiprocessing
+
+    with multiprocessing.get_context("spawn").Pool(1) as pool:
+        pool.apply(_clipping_body)
