@@ -4,7 +4,9 @@ Autograd saves the gathered weight (or a view of it, such as ``weight.t()``, or 
 parallelism a DTensor around it) for backward. While a
 wrapped model runs forward, :func:`resharding_saved_tensors` packs every saved tensor that shares
 storage with a gathered parameter as a small recipe (the shard, the gather and the view's
-geometry); backward unpacks the recipe by gathering again. Gathered tensors are tracked by weak
+geometry); backward unpacks the recipe by gathering again, once per parameter and forward: the
+first unpack gathers, and the full tensor is kept until the last saved view of it is unpacked, as
+FSDP2 keeps a module unsharded through its backward. Gathered tensors are tracked by weak
 reference, so a freed buffer whose address is reused is never mistaken for a parameter.
 
 torch.compile does not use this path: there the gather sits in a selective-checkpoint region (see
@@ -38,10 +40,31 @@ class _WaitForCollective(torch.autograd.Function):
         return grad
 
 
+class _Source:
+    """One gathered parameter of a forward, as backward sees it: gathered again at the first
+    unpack of any tensor saved from it, and kept until the last of those is unpacked. So backward
+    gathers each parameter once however many slices of it were saved (a loop over experts saves
+    one per expert that received rows: a number that differs between ranks)."""
+
+    def __init__(self, gather: Callable[[torch.Tensor], torch.Tensor], param: torch.Tensor):
+        self.gather, self.param = gather, param
+        self.packed = 0  # saved tensors of this forward not yet unpacked
+        self.full: torch.Tensor | None = None
+
+    def unpack(self) -> torch.Tensor:
+        if self.full is None:
+            with torch.no_grad():
+                self.full = _WaitForCollective.apply(self.gather(self.param))
+        full = self.full
+        self.packed -= 1
+        if self.packed <= 0:
+            self.full = None
+        return full
+
+
 @dataclass
 class _Regather:
-    gather: Callable[[torch.Tensor], torch.Tensor]
-    param: torch.Tensor
+    source: _Source
     size: torch.Size
     stride: tuple[int, ...]
     offset: int
@@ -62,7 +85,7 @@ def gather_for_recompute(
     out = _WaitForCollective.apply(gather(param))
     registry = getattr(_state, "gathered", None)
     if registry is not None:
-        registry[out.untyped_storage().data_ptr()] = (weakref.ref(out), gather, param)
+        registry[out.untyped_storage().data_ptr()] = (weakref.ref(out), _Source(gather, param))
     return out
 
 
@@ -71,19 +94,19 @@ def _pack(t: torch.Tensor):
     entry = None if local is None else _state.gathered.get(local.untyped_storage().data_ptr())
     if entry is None:
         return t
-    ref, gather, param = entry
+    ref, source = entry
     gathered = ref()
     if gathered is None or gathered.dtype != local.dtype:
         return t
     spec = (t.device_mesh, t.placements, t.shape, t.stride()) if isinstance(t, DTensor) else None
-    return _Regather(gather, param, local.size(), local.stride(), local.storage_offset(), spec)
+    source.packed += 1
+    return _Regather(source, local.size(), local.stride(), local.storage_offset(), spec)
 
 
 def _unpack(packed):
     if not isinstance(packed, _Regather):
         return packed
-    with torch.no_grad():
-        full = _WaitForCollective.apply(packed.gather(packed.param))
+    full = packed.source.unpack()
     local = full.as_strided(packed.size, packed.stride, packed.offset)
     if packed.dtensor_spec is None:
         return local
