@@ -25,7 +25,8 @@ from torch.utils._pytree import tree_map_only
 from simplefsdp import passes, sharding
 from simplefsdp.eager_reshard import resharding_saved_tensors
 from simplefsdp.mesh_layout import DataParallelLayout, resolve_layout
-from simplefsdp.moe.token_dispatch import DEFAULT_EP_CHUNKS, TokenDispatcher, is_routed_experts, token_group
+from simplefsdp.moe.routed_experts import is_routed_experts, set_dispatcher, unrecognised_experts
+from simplefsdp.moe.token_dispatch import DEFAULT_EP_CHUNKS, TokenDispatcher, token_group
 from simplefsdp.param_access import ForwardState, WrappedParams, attach, count_forwards, is_wrapped
 from simplefsdp.param_gather import ParamGather, param_gather
 
@@ -161,9 +162,11 @@ def _routed_experts(model: nn.Module, layout: DataParallelLayout, ep: int) -> di
                 )
         found[module] = layout.experts.fsdp_dim(module.num_experts)
     if not found:
+        unrecognised = unrecognised_experts(model)
         raise ValueError(
-            f"ep={ep} but the model has no routed experts "
-            "(modules with `num_experts` and an `expert_parallel` attribute)"
+            f"ep={ep} but the model has no routed experts (modules with `num_experts` and an "
+            "`expert_parallel` attribute, or Hugging Face experts decorated with `@use_experts_implementation`)"
+            + (f"; these experts follow neither contract: {', '.join(unrecognised[:3])}" if unrecognised else "")
         )
     return found
 
@@ -303,8 +306,8 @@ def simple_fsdp(
     for module, names, plan in plans:
         if module in routed:
             experts = layout.experts
-            module.expert_parallel = TokenDispatcher(
-                experts.ep_mesh, module.num_experts, experts.tp_mesh, chunks=chunks, group=tokens
+            set_dispatcher(
+                module, TokenDispatcher(experts.ep_mesh, module.num_experts, experts.tp_mesh, chunks=chunks, group=tokens)
             )
         wrapped = WrappedParams(
             gathers={n: plan[n][0] for n in names},

@@ -22,7 +22,8 @@ import torch.nn as nn
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import Shard
 
-from simplefsdp.moe.token_dispatch import DEFAULT_EP_CHUNKS, TokenDispatcher, is_routed_experts, token_group
+from simplefsdp.moe.routed_experts import is_routed_experts, set_dispatcher
+from simplefsdp.moe.token_dispatch import DEFAULT_EP_CHUNKS, TokenDispatcher, token_group
 from simplefsdp.mesh_layout import DP_REPLICATE, resolve_layout
 from simplefsdp.sharding import local_experts
 
@@ -35,7 +36,7 @@ except ImportError:
 def _keep_local_experts(module: nn.Module, ep_mesh, chunks: int, group) -> None:
     for name, param in list(module.named_parameters(recurse=False)):
         module._parameters[name] = nn.Parameter(local_experts(param, ep_mesh), requires_grad=param.requires_grad)
-    module.expert_parallel = TokenDispatcher(ep_mesh, module.num_experts, chunks=chunks, group=group)
+    set_dispatcher(module, TokenDispatcher(ep_mesh, module.num_experts, chunks=chunks, group=group))
 
 
 def _expert_mesh(experts):

@@ -25,7 +25,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from simplefsdp.moe.token_dispatch import TokenDispatcher, token_chunks
+from simplefsdp.moe.token_dispatch import TokenDispatcher, by_expert
 from simplefsdp.moe.grouped_mm import grouped_mm, native_available
 from simplefsdp.models.llama import FeedForward, Transformer, TransformerConfig
 from simplefsdp.moe.token_permute import aligned_groups
@@ -76,13 +76,6 @@ class Router(nn.Module):
         if self.score_func == "sigmoid":
             weights = weights / weights.sum(-1, keepdim=True)
         return weights * self.route_scale, experts
-
-
-def tokens_per_expert(experts: torch.Tensor, num_experts: int) -> torch.Tensor:
-    """How many of the token slots ``experts`` (any shape) chose each expert: ``[num_experts]`` int32."""
-    flat = experts.flatten()
-    counts = torch.zeros(num_experts, dtype=torch.int32, device=experts.device)
-    return counts.scatter_add(0, flat, torch.ones_like(flat, dtype=torch.int32))
 
 
 class GroupedExperts(nn.Module):
@@ -160,17 +153,7 @@ class MoE(nn.Module):
         shape = x.shape
         x = x.reshape(-1, shape[-1])
         weights, experts = self.router(x)
-        rows, counts, orders = [], [], []
-        for start, end in token_chunks(x.shape[0], self.experts.chunks):
-            # the chunk's token slots sorted by expert; the stable sort keeps token order within an expert
-            order = torch.argsort(experts[start:end].flatten(), stable=True)
-            rows.append(x[start:end][order // self.top_k])
-            counts.append(tokens_per_expert(experts[start:end], self.experts.num_experts))
-            orders.append(order)
-        routed = [
-            torch.empty_like(out).index_copy(0, order, out) for out, order in zip(self.experts(rows, counts), orders)
-        ]
-        routed = routed[0] if len(routed) == 1 else torch.cat(routed)
+        routed = by_expert(self.experts, x, experts, self.experts.num_experts, self.experts.chunks)
         out = (routed.view(-1, self.top_k, shape[-1]) * weights.unsqueeze(-1).to(x.dtype)).sum(1)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)

@@ -2,8 +2,9 @@
 
 The routed experts of a MoE layer are split over the ``ep`` ranks: rank ``j`` holds experts
 ``j*L .. (j+1)*L - 1`` (``L = num_experts / ep``). A MoE layer splits its tokens into ``chunks``
-(:func:`token_chunks`) and hands :class:`TokenDispatcher` one block of rows per chunk, each
-sorted by expert, so the rows for rank ``j`` are one contiguous block of it. The dispatcher:
+(:func:`token_chunks`) and sorts each chunk's token slots by expert (:func:`by_expert`), so the
+rows for rank ``j`` are one contiguous block of it, and hands :class:`TokenDispatcher` every
+chunk's rows. The dispatcher:
 
 1. exchanges tokens-per-expert counts with one all-to-all for all chunks (``[chunks, E]`` int32
    per rank) and reads the split sizes to the host once;
@@ -42,17 +43,44 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 DEFAULT_EP_CHUNKS = 2  # token chunks per MoE layer with ep > 1 (simple_fsdp's ep_chunks)
 
 
-def is_routed_experts(module: torch.nn.Module) -> bool:
-    """Routed-expert modules declare ``num_experts`` and an ``expert_parallel`` slot."""
-    return hasattr(module, "num_experts") and hasattr(module, "expert_parallel")
-
-
 def token_chunks(tokens: int, chunks: int) -> list[tuple[int, int]]:
     """``[start, end)`` of each of ``chunks`` contiguous, near-equal token ranges (earlier ones
     take the extra token); fewer ranges when there are fewer tokens than chunks."""
     chunks = max(1, min(chunks, tokens))
     bounds = [tokens * i // chunks for i in range(chunks + 1)]
     return list(zip(bounds[:-1], bounds[1:]))
+
+
+def tokens_per_expert(experts: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """How many of the token slots ``experts`` (any shape) chose each expert: ``[num_experts]`` int32."""
+    flat = experts.flatten()
+    counts = torch.zeros(num_experts, dtype=torch.int32, device=experts.device)
+    return counts.scatter_add(0, flat, torch.ones_like(flat, dtype=torch.int32))
+
+
+def by_expert(
+    run: Callable[[list[torch.Tensor], list[torch.Tensor]], list[torch.Tensor]],
+    x: torch.Tensor,
+    experts: torch.Tensor,
+    num_experts: int,
+    chunks: int,
+) -> torch.Tensor:
+    """Every token slot's expert output, in slot order: ``[tokens * k, dim]``.
+
+    ``x``: ``[tokens, dim]``; ``experts``: ``[tokens, k]``, the experts each token chose. The
+    tokens are split into ``chunks`` (:func:`token_chunks`); each chunk's slots are sorted by
+    expert (a stable sort: token order within an expert), and ``run(rows, counts)`` gets every
+    chunk's sorted rows and tokens per expert at once and returns each chunk's outputs.
+    """
+    top_k = experts.shape[-1]
+    rows, counts, orders = [], [], []
+    for start, end in token_chunks(x.shape[0], chunks):
+        order = torch.argsort(experts[start:end].flatten(), stable=True)
+        rows.append(x[start:end][order // top_k])
+        counts.append(tokens_per_expert(experts[start:end], num_experts))
+        orders.append(order)
+    outs = [torch.empty_like(out).index_copy(0, order, out) for out, order in zip(run(rows, counts), orders)]
+    return outs[0] if len(outs) == 1 else torch.cat(outs)
 
 
 def token_group(ep_mesh: DeviceMesh, ep_ranks: list[list[int]] | None) -> dist.ProcessGroup:

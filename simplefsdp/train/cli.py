@@ -44,7 +44,8 @@ def train_step(runner, optimizer, batch, *, params, dp_size: int, max_norm: floa
     """
     mark = mark or (lambda phase: None)
     tokens, labels = batch
-    loss = cross_entropy_loss(runner(tokens), labels)
+    out = runner(tokens)
+    loss = cross_entropy_loss(getattr(out, "logits", out), labels)  # an HF model returns a ModelOutput
     loss.backward()
     mark("forward+backward")
     norm = clip_grads_(params, max_norm)
