@@ -67,7 +67,7 @@ from simplefsdp.train.metrics import flops_per_token
 from simplefsdp.models.llama import cross_entropy_loss
 from simplefsdp.passes import SimpleFSDPPasses
 from simplefsdp.passes.ops import COLLECTIVES, MATMULS
-from simplefsdp.passes.fx_utils import collective_group, op_name, waited_collective
+from simplefsdp.passes.fx_utils import collective_group, op_name, pinned_call, waited_collective
 from simplefsdp.train.cli import build
 
 from report import command_line, environment, output_arguments, publish, table
@@ -155,14 +155,6 @@ def _nbytes(val, unbacked: dict) -> int:
     return numel * val.dtype.itemsize
 
 
-def _called(node: torch.fx.Node) -> torch.fx.Node:
-    """The op of a node, or for a node a pass pinned with control_deps, the op it wraps."""
-    if getattr(node.target, "__name__", "") == "control_deps":
-        subgraph = getattr(node.graph.owning_module, node.args[1].target).graph
-        return next(n for n in subgraph.nodes if n.op == "call_function")
-    return node
-
-
 def _flops(name: str, node: torch.fx.Node, unbacked: dict) -> int:
     vals = [a.meta["val"] for a in node.args if isinstance(a, torch.fx.Node)]
     if name in MATMULS:  # [.., m, k] @ [.., k, n] and the grouped forms: 2 * numel(a) * n
@@ -186,7 +178,7 @@ def snapshot(graph: torch.fx.Graph, unbacked: dict) -> list[Node]:
     for node in graph.nodes:
         if node.op != "call_function":
             continue
-        call = _called(node)
+        call = pinned_call(node)
         name = op_name(call)
         if name in COLLECTIVES:
             collective = COLLECTIVES[name]

@@ -119,16 +119,21 @@ def _chunks(starts: list[torch.fx.Node], layer: str) -> list[_Chunk]:
     return list(chunks.values())
 
 
+SHARED_EXPERTS = ("shared_experts", "shared_expert", "shared_expert_gate", "shared_mlp")
+
+
 class AllToAllOverlap(CustomGraphPass):
     """Place routed-expert compute of one chunk under the all-to-alls of its neighbours, and
     shared-expert compute under the first and last all-to-all of each MoE layer.
 
-    ``shared`` names the shared-experts submodule of a MoE layer, whose routed experts are the
-    sibling module that issues the all-to-alls.
+    ``shared`` names the shared-experts submodules of a MoE layer, whose routed experts are the
+    sibling module that issues the all-to-alls: by default this project's and Hugging Face's
+    three forms (``shared_experts``; ``shared_expert`` with its sigmoid ``shared_expert_gate``;
+    ``shared_mlp``).
     """
 
-    def __init__(self, shared: str = "shared_experts"):
-        self.shared = shared
+    def __init__(self, shared: tuple[str, ...] = SHARED_EXPERTS):
+        self.shared = tuple(shared)
 
     def _layers(self, graph: torch.fx.Graph):
         """Per MoE layer path: its floating all-to-alls and its shared-expert nodes, in order."""
@@ -137,8 +142,8 @@ class AllToAllOverlap(CustomGraphPass):
             parts = module_path(node).split(".")
             if _floating_all_to_all(node):
                 all_to_alls[".".join(parts[:-1])].append(node)
-            elif self.shared in parts and node.op == "call_function":
-                shared[".".join(parts[: parts.index(self.shared)])].append(node)
+            elif node.op == "call_function" and (name := next((p for p in parts if p in self.shared), None)):
+                shared[".".join(parts[: parts.index(name)])].append(node)
         return [(layer, all_to_alls[layer], shared[layer]) for layer in all_to_alls]
 
     def __call__(self, graph: torch.fx.Graph) -> None:

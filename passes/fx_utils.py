@@ -81,6 +81,15 @@ def waits_of(start: torch.fx.Node) -> list[torch.fx.Node]:
     return [u for out in outputs for u in out.users if op_name(u) == "wait_tensor"]
 
 
+def pinned_call(node: torch.fx.Node) -> torch.fx.Node:
+    """The node itself, or for a node :func:`pin_after` wrapped in ``control_deps`` (args
+    ``(deps, subgraph, inputs...)``), the call it wraps (a node of the subgraph)."""
+    if getattr(node.target, "__name__", "") == "control_deps":
+        subgraph = getattr(node.graph.owning_module, node.args[1].target).graph
+        return next(n for n in subgraph.nodes if n.op == "call_function")
+    return node
+
+
 def waited_collective(wait: torch.fx.Node, call: torch.fx.Node) -> torch.fx.Node:
     """The collective a ``wait_tensor`` node waits for. ``call`` is the wait op itself, or for a
     wait a pass pinned with ``control_deps`` (args ``(deps, subgraph, input)``) the op it wraps;

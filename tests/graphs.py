@@ -15,7 +15,7 @@ from torch._inductor.custom_graph_pass import CustomGraphPass
 
 from simplefsdp.param_access import WRAPPED_ATTR
 from simplefsdp.passes import SimpleFSDPPasses
-from simplefsdp.passes.fx_utils import waited_collective
+from simplefsdp.passes.fx_utils import pinned_call, waited_collective
 from simplefsdp.passes.ops import COLLECTIVES, MATMULS
 
 
@@ -33,10 +33,7 @@ def describe(graph: torch.fx.Graph, group_names: dict[str, str]) -> list[str]:
     for node in graph.nodes:
         if node.op != "call_function":
             continue
-        call = node  # the op itself, or for a node a pass pinned in order, the op it wraps
-        if getattr(node.target, "__name__", "") == "control_deps":
-            subgraph = getattr(graph.owning_module, node.args[1].target).graph
-            call = next(n for n in subgraph.nodes if n.op == "call_function")
+        call = pinned_call(node)  # the op itself, or for a node a pass pinned in order, the op it wraps
         if not hasattr(call.target, "_opname"):
             continue
         name = call.target._opname

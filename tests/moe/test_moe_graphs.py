@@ -26,7 +26,7 @@ from simplefsdp.activation_checkpoint import apply_activation_checkpointing
 from simplefsdp.models.moe import MOE_CONFIGS, MoE, moe_transformer
 from simplefsdp.models.llama import cross_entropy_loss
 from tests.conftest import FAKE_RANKS, fake_world_at
-from simplefsdp.passes.fx_utils import module_path
+from simplefsdp.passes.fx_utils import module_path, op_name, pinned_call
 from tests.graphs import captured_graphs, collectives, positions
 
 
@@ -240,10 +240,7 @@ def test_checkpointed_moe_block_regathers_and_exchanges_counts_once(fake_world, 
 
 def _op(node: torch.fx.Node):
     """The op a node calls, looking through a ``control_deps`` pin to the op it wraps."""
-    if getattr(node.target, "__name__", "") == "control_deps":
-        subgraph = getattr(node.graph.owning_module, node.args[1].target).graph
-        node = next(n for n in subgraph.nodes if n.op == "call_function")
-    return getattr(node.target, "_opname", None)
+    return op_name(pinned_call(node))
 
 
 def _data_inputs(node: torch.fx.Node) -> list[torch.fx.Node]:
