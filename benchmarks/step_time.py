@@ -49,7 +49,7 @@ from simplefsdp.train.cli import build, train_step
 from report import command_line, environment, table, write_section
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-CONFIGS = {"dense": "configs/gpu_dense.toml", "moe": "configs/gpu_moe.toml"}
+CONFIGS = {"dense": "configs/gpu_dense.toml", "moe": "configs/gpu_moe.toml", "hf_moe": "configs/gpu_hf_moe.toml"}
 # name -> (training.baseline, training.compile, training.passes)
 MODES = {
     "SimpleFSDP compiled": ("simplefsdp", True, True),

@@ -23,6 +23,8 @@ import torch.nn as nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
+from simplefsdp.blocks import block_list
+
 # attention is saved in both modes as a random op (see _is_random)
 _COMPUTE_TO_SAVE = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default}
 if hasattr(torch.ops.aten, "_grouped_mm"):
@@ -50,13 +52,16 @@ def _context_fn(mode: str):
     return create_selective_checkpoint_contexts(functools.partial(_policy, _saved(mode)))
 
 
-def apply_activation_checkpointing(model: nn.Module, mode: str = "full") -> nn.Module:
-    """Wrap every block of ``model.layers`` in a checkpoint (in place; returns ``model``)."""
+def apply_activation_checkpointing(model: nn.Module, mode: str = "full", *, blocks: str | None = None) -> nn.Module:
+    """Wrap every block of ``model`` (:func:`simplefsdp.blocks.block_list`: ``model.layers``, an
+    HF model's decoder layers, or the list at the path ``blocks``) in a checkpoint (in place;
+    returns ``model``)."""
     if mode not in MODES:
         raise ValueError(f"activation checkpointing mode must be one of {MODES}; got {mode!r}")
+    layers = block_list(model, blocks)
     context_fn = functools.partial(_context_fn, mode)
     # a stable hash lets AOTAutograd cache graphs with these regions (see param_gather.py)
     context_fn.cache_hash = f"simplefsdp.activation_checkpoint: saves {sorted(map(str, _saved(mode)))} and random ops"
-    for i, block in enumerate(model.layers):
-        model.layers[i] = checkpoint_wrapper(block, context_fn=context_fn, preserve_rng_state=False)
+    for i, block in enumerate(layers):
+        layers[i] = checkpoint_wrapper(block, context_fn=context_fn, preserve_rng_state=False)
     return model

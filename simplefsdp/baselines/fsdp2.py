@@ -22,6 +22,7 @@ import torch.nn as nn
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import Shard
 
+from simplefsdp.blocks import block_list
 from simplefsdp.moe.routed_experts import is_routed_experts, set_dispatcher
 from simplefsdp.moe.token_dispatch import DEFAULT_EP_CHUNKS, TokenDispatcher, token_group
 from simplefsdp.mesh_layout import DP_REPLICATE, resolve_layout
@@ -69,7 +70,8 @@ def fsdp2(
     experts_in_blocks: bool | None = None,
     ep_chunks: int | None = None,
 ) -> nn.Module:
-    """Apply FSDP2 to ``model`` (blocks in ``model.layers``, then the root); returns ``model``.
+    """Apply FSDP2 to ``model`` (each block of :func:`simplefsdp.blocks.block_list`, then the
+    root); returns ``model``.
 
     ``ep_chunks``: token chunks per MoE layer, as for ``simple_fsdp`` (default 2 with ``ep > 1``).
 
@@ -104,7 +106,7 @@ def fsdp2(
             else FSDPMeshInfo(expert_mesh, shard_mesh_dim=0)
         )
         place = lambda p: ShardPlacementResult(placements[p], info) if p in placements else None
-    for block in model.layers:
+    for block in block_list(model):
         if placements and any(p in placements for p in block.parameters()):
             fully_shard(block, mesh=layout.dp_mesh, shard_placement_fn=place, **kwargs)
             _sum_then_divide(block, layout.dp_degree)

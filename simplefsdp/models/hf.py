@@ -11,6 +11,7 @@ transformers is imported only here, when an HF model is asked for.
 
 from __future__ import annotations
 
+import torch
 import torch.nn as nn
 
 
@@ -34,3 +35,21 @@ def hf_causal_lm(config, *, experts_implementation: str | None = None) -> nn.Mod
 
     kwargs = {} if experts_implementation is None else {"experts_implementation": experts_implementation}
     return AutoModelForCausalLM.from_config(config, **kwargs)
+
+
+def hf_flops_per_token(config, seq_len: int) -> float:
+    """Training FLOPs per token of ``config``'s model, counted as for this project's models
+    (:func:`simplefsdp.train.metrics.flops_per_token`): 6 per active matmul weight (every weight
+    of two or more dims outside embeddings; of the routed experts, ``num_experts_per_tok`` of
+    them), plus 12 * layers * hidden * seq_len for attention. Counted on a meta-device model."""
+    from simplefsdp.moe.hf_experts import is_hf_experts
+
+    with torch.device("meta"):
+        model = hf_causal_lm(config)
+    weights = 0.0
+    for module in model.modules():
+        if isinstance(module, nn.Embedding):
+            continue
+        share = config.num_experts_per_tok / module.num_experts if is_hf_experts(module) else 1.0
+        weights += share * sum(p.numel() for p in module.parameters(recurse=False) if p.ndim >= 2)
+    return 6 * weights + 12 * config.num_hidden_layers * config.hidden_size * seq_len

@@ -24,6 +24,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from simplefsdp.blocks import block_list
 from simplefsdp.train.checkpoint import CheckpointError, Checkpointer, check_folder
 from simplefsdp.train.config import ConfigError, JobConfig, load, model_fingerprint, validate
 from simplefsdp.train.data import data_parallel_rank, rank_slice, token_stream
@@ -106,7 +107,12 @@ def build(cfg: JobConfig, world: int, device_type: str):
     mesh = _mesh(cfg, world, device_type)
     torch.manual_seed(t.seed)
     model_cfg = cfg.model_config()
-    model = moe_transformer(model_cfg) if cfg.model["kind"] == "moe" else Transformer(model_cfg)
+    if cfg.model["kind"] == "hf":
+        from simplefsdp.models.hf import hf_causal_lm
+
+        model = hf_causal_lm(model_cfg, experts_implementation=cfg.model.get("experts_implementation"))
+    else:
+        model = moe_transformer(model_cfg) if cfg.model["kind"] == "moe" else Transformer(model_cfg)
     if p.tp > 1:
         model = apply_tensor_parallel(model, mesh["tp"])
     if p.activation_checkpoint != "none":
@@ -118,7 +124,7 @@ def build(cfg: JobConfig, world: int, device_type: str):
                       reshard_after_forward=p.reshard_after_forward)
         runner = model
         if t.compile:  # per block, as torchtitan compiles FSDP2 models
-            for block in model.layers:
+            for block in block_list(model):
                 block.compile()
     else:
         mode = None if p.mode == "auto" else p.mode

@@ -3,7 +3,9 @@ overrides on the command line, checked before any rank starts.
 
 A config has five sections; every key has a default, so a file names only what it changes::
 
-    [model]       kind = "dense" | "moe", then the fields of TransformerConfig / MoEConfig
+    [model]       kind = "dense" | "moe", then the fields of TransformerConfig / MoEConfig; or
+                  kind = "hf", model_type (a transformers model type) or config (a local
+                  config.json), optional experts_implementation, then that config's fields
     [parallel]    dp_replicate, dp_shard (-1: the ranks left over), tp, ep, ep_chunks, mode,
                   reshard_after_forward, activation_checkpoint
     [training]    steps, lr, seed, global_batch, seq_len, dataset, compile, passes, param_dtype,
@@ -34,6 +36,8 @@ class ConfigError(ValueError):
 
 
 MODEL_KINDS = {"dense": TransformerConfig, "moe": MoEConfig}
+HF = "hf"  # a Hugging Face transformers model: its fields are the transformers config's
+HF_KEYS = ("model_type", "config", "experts_implementation")  # what [model] holds besides config fields
 DTYPES = ("float32", "bfloat16")
 
 
@@ -91,8 +95,14 @@ class JobConfig:
     checkpoint: Checkpoint = field(default_factory=Checkpoint)
     metrics: Metrics = field(default_factory=Metrics)
 
-    def model_config(self) -> TransformerConfig:
-        """The model's config; its rotary tables cover ``training.seq_len`` unless ``model.max_seq_len`` says."""
+    def model_config(self):
+        """The model's config; its rotary tables cover ``training.seq_len`` unless ``model.max_seq_len`` says.
+        For ``kind = "hf"``, the transformers config."""
+        if self.model["kind"] == HF:
+            from simplefsdp.models.hf import hf_config
+
+            fields = {k: v for k, v in self.model.items() if k not in ("kind", *HF_KEYS)}
+            return hf_config(self.model.get("model_type"), self.model.get("config"), **fields)
         fields = {"max_seq_len": self.training.seq_len, **self.model}
         return MODEL_KINDS[fields.pop("kind")](**fields)
 
@@ -134,6 +144,16 @@ def _parse_value(key: str, kind, raw):
     return raw
 
 
+def _parse_any(raw):
+    """A transformers config value: TOML's own, or from the command line a JSON literal (else the string)."""
+    if not isinstance(raw, str):
+        return raw
+    try:
+        return json.loads(raw)
+    except ValueError:
+        return raw
+
+
 def _model_fields(kind: str) -> dict[str, type]:
     hints = typing.get_type_hints(MODEL_KINDS[kind])
     return {f.name: hints[f.name] for f in dataclasses.fields(MODEL_KINDS[kind])}
@@ -147,9 +167,12 @@ def _set(cfg: JobConfig, key: str, raw) -> None:
     if section == "model":
         if name == "kind":
             kind = _parse_value(key, str, raw)
-            if kind not in MODEL_KINDS:
-                raise ConfigError(f"model.kind: must be one of {sorted(MODEL_KINDS)}, got {kind!r}")
+            if kind not in (*MODEL_KINDS, HF):
+                raise ConfigError(f"model.kind: must be one of {sorted([*MODEL_KINDS, HF])}, got {kind!r}")
             cfg.model["kind"] = kind
+            return
+        if cfg.model["kind"] == HF:  # checked against the transformers config in validate()
+            cfg.model[name] = _parse_value(key, str, raw) if name in HF_KEYS else _parse_any(raw)
             return
         # checked against the final kind in validate(); every MoE field is a candidate here
         fields = _model_fields("moe")
@@ -206,8 +229,7 @@ def _check(ok: bool, key: str, message: str) -> None:
         raise ConfigError(f"{key}: {message}")
 
 
-def validate(cfg: JobConfig, world: int) -> None:
-    """Check everything that can be checked before a rank starts, for ``world`` ranks."""
+def _validate_native(cfg: JobConfig) -> None:
     kind = cfg.model["kind"]
     allowed = _model_fields(kind)
     for name in cfg.model:
@@ -228,6 +250,45 @@ def validate(cfg: JobConfig, world: int) -> None:
         _check(1 <= m.top_k <= m.num_experts, "model.top_k", f"must be in 1..num_experts ({m.num_experts}), got {m.top_k}")
         _check(0 <= m.n_dense_layers <= m.n_layers, "model.n_dense_layers", f"must be in 0..n_layers ({m.n_layers})")
         _check(m.score_func in ("sigmoid", "softmax"), "model.score_func", f"must be sigmoid or softmax, got {m.score_func!r}")
+
+
+def _validate_hf(cfg: JobConfig) -> None:
+    """model_type or config (one of them), and only fields the transformers config has."""
+    _check(importlib.util.find_spec("transformers") is not None, "model.kind", "'hf' needs the transformers package")
+    model = cfg.model
+    _check(("model_type" in model) != ("config" in model), "model.model_type",
+           "give exactly one of model.model_type (a transformers model type) and model.config (a config.json)")
+    if "config" in model:
+        _check(os.path.isfile(model["config"]), "model.config", f"no such file: {model['config']!r}")
+    from simplefsdp.models.hf import hf_config
+
+    try:
+        default = hf_config(model.get("model_type"), model.get("config"))
+    except (ValueError, KeyError, OSError) as e:
+        key = "model.config" if "config" in model else "model.model_type"
+        raise ConfigError(f"{key}: transformers cannot make a config of {model.get('config') or model.get('model_type')!r} "
+                          f"({str(e).split('.')[0]})") from None
+    for name in model:
+        _check(name in ("kind", *HF_KEYS) or hasattr(default, name), f"model.{name}",
+               f"not a field of {type(default).__name__}")
+
+
+def _hf_num_experts(config) -> int | None:
+    """The routed-expert count of a transformers config (its families name it differently)."""
+    return next((getattr(config, n) for n in ("num_experts", "num_local_experts", "n_routed_experts") if getattr(config, n, None)), None)
+
+
+def validate(cfg: JobConfig, world: int) -> None:
+    """Check everything that can be checked before a rank starts, for ``world`` ranks."""
+    kind = cfg.model["kind"]
+    if kind == HF:
+        _validate_hf(cfg)
+    else:
+        _validate_native(cfg)
+    m = cfg.model_config()
+    # (key, value) of the model's positions and routed experts
+    positions = ("model.max_position_embeddings", m.max_position_embeddings) if kind == HF else ("model.max_seq_len", m.max_seq_len)
+    experts = ("the model's routed experts", _hf_num_experts(m)) if kind == HF else ("model.num_experts", getattr(m, "num_experts", None))
 
     p, t = cfg.parallel, cfg.training
     for name in ("dp_replicate", "tp", "ep"):
@@ -253,18 +314,19 @@ def validate(cfg: JobConfig, world: int) -> None:
         _check(fits, "parallel.mode", f"{p.mode} needs parallel.{dim} {text}; the degrees give {dim} {d[dim]}")
         _check(p.mode != "replicate" or p.ep == 1, "parallel.mode", "replicate has no dp_shard dim to split into edp x ep")
     if p.tp > 1:
+        _check(kind != HF, "parallel.tp", "the tensor-parallel plan covers this project's models, not HF models")
         for name in ("n_heads", "n_kv_heads", "ffn_dim"):  # the TP plan splits heads and the dense MLP
             _check(getattr(m, name) % p.tp == 0, "parallel.tp", f"{p.tp} does not divide model.{name} {getattr(m, name)}")
     if p.ep > 1:
-        _check(kind == "moe", "parallel.ep", f"expert parallelism needs model.kind = 'moe', got {kind!r}")
+        _check(experts[1] is not None, "parallel.ep", f"expert parallelism needs model.kind = 'moe' (or an HF MoE model), got {kind!r}")
         _check((d["dp_shard"] * p.tp) % p.ep == 0, "parallel.ep",
                f"{p.ep} does not divide dp_shard {d['dp_shard']} x tp {p.tp} (the ranks experts are spread over)")
-        _check(m.num_experts % p.ep == 0, "parallel.ep", f"{p.ep} does not divide model.num_experts {m.num_experts}")
+        _check(experts[1] % p.ep == 0, "parallel.ep", f"{p.ep} does not divide {experts[0]} {experts[1]}")
 
     _check(t.steps >= 1, "training.steps", f"must be >= 1, got {t.steps}")
     _check(t.lr > 0 and math.isfinite(t.lr), "training.lr", f"must be a positive number, got {t.lr}")
     _check(t.seq_len >= 1, "training.seq_len", f"must be >= 1, got {t.seq_len}")
-    _check(t.seq_len <= m.max_seq_len, "training.seq_len", f"{t.seq_len} exceeds model.max_seq_len {m.max_seq_len}")
+    _check(t.seq_len <= positions[1], "training.seq_len", f"{t.seq_len} exceeds {positions[0]} {positions[1]}")
     dp = d["dp_replicate"] * d["dp_shard"]
     _check(t.global_batch >= dp and t.global_batch % dp == 0, "training.global_batch",
            f"{t.global_batch} sequences do not split evenly over {dp} data-parallel ranks")
@@ -294,6 +356,8 @@ def model_fingerprint(cfg: JobConfig) -> str:
 
     ``max_seq_len`` is left out: it sizes the rotary tables, which are not saved.
     """
+    if cfg.model["kind"] == HF:
+        return json.dumps(cfg.model_config().to_diff_dict() | {"kind": HF}, sort_keys=True, default=str)
     fields = dataclasses.asdict(cfg.model_config())
     del fields["max_seq_len"]
     return json.dumps(fields | {"kind": cfg.model["kind"]}, sort_keys=True)

@@ -29,7 +29,12 @@ def flops_per_token(cfg: TransformerConfig, seq_len: int) -> float:
 
     Active weights: attention and output projections, dense MLPs, and for MoE blocks the router,
     the shared experts and ``top_k`` of the routed experts. Embedding lookups are not matmuls.
+    A transformers config is counted by :func:`simplefsdp.models.hf.hf_flops_per_token`.
     """
+    if not isinstance(cfg, TransformerConfig):
+        from simplefsdp.models.hf import hf_flops_per_token
+
+        return hf_flops_per_token(cfg, seq_len)
     d = cfg.dim
     attention = d * cfg.n_heads * cfg.head_dim * 2 + d * cfg.n_kv_heads * cfg.head_dim * 2
     dense_mlp = 3 * d * cfg.ffn_dim

@@ -17,7 +17,7 @@ from simplefsdp.train import cli as train, compare
 from simplefsdp.train.metrics import read_records
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-DENSE, MOE = (os.path.join(REPO, "configs", f"debug_{m}.toml") for m in ("dense", "moe"))
+DENSE, MOE, HF_MOE = (os.path.join(REPO, "configs", f"debug_{m}.toml") for m in ("dense", "moe", "hf_moe"))
 
 
 def _train(config, out_dir, *overrides):
@@ -72,6 +72,13 @@ def _error(capsys, *argv) -> str:
         (DENSE, ["--model.max_seq_len", 16, "--training.seq_len", 32], "training.seq_len: 32 exceeds model.max_seq_len 16"),
         (DENSE, ["--training.lr", "nan"], "training.lr: must be a positive number, got nan"),
         (DENSE, ["--training.lr", "inf"], "training.lr: must be a positive number, got inf"),
+        (HF_MOE, ["--model.hidden_sise", 32], "model.hidden_sise: not a field of Qwen3MoeConfig"),
+        (HF_MOE, ["--model.model_type", "qwen9"], "model.model_type: transformers cannot make a config of 'qwen9'"),
+        (HF_MOE, ["--model.config", "/no/config.json"], "model.model_type: give exactly one of model.model_type"),
+        (HF_MOE, ["--parallel.ep", 4, "--model.num_experts", 6], "parallel.ep: 4 does not divide the model's routed experts 6"),
+        (HF_MOE, ["--parallel.ep", 1, "--parallel.dp_shard", 2, "--parallel.tp", 2],
+         "parallel.tp: the tensor-parallel plan covers this project's models, not HF models"),
+        (HF_MOE, ["--training.seq_len", 256], "training.seq_len: 256 exceeds model.max_position_embeddings 128"),
     ],
 )
 def test_bad_config_value_is_one_line_naming_the_key(config, overrides, key, capsys, tmp_path):
@@ -130,6 +137,23 @@ def test_debug_dense_trains_compiled_on_4_ranks(tmp_path, capfd):
     assert "dense model" in out and "SimpleFSDP compiled with passes on 4 cpu ranks (dp_shard 4)" in out
     assert len(losses) == 5 and losses[-1] < losses[0]
     assert sorted(os.listdir(tmp_path / "checkpoints")) == ["model.json", "step-00000002", "step-00000004", "step-00000005"]
+
+
+def test_debug_hf_moe_trains_on_4_ranks_like_fsdp2(tmp_path, capfd):
+    """An unmodified HF Qwen3-MoE, eager FSDP4 x EP2: the loss falls, and --baseline fsdp2 gives the
+    same losses bit for bit."""
+    args = ["--training.compile", "false", "--training.steps", 5, "--checkpoint.interval", 0]
+    ours = _train(HF_MOE, tmp_path / "simplefsdp", *args)
+    assert "debug_hf_moe: hf model" in capfd.readouterr().out
+    theirs = _train(HF_MOE, tmp_path / "fsdp2", *args, "--baseline", "fsdp2")
+    assert ours == theirs and ours[-1] < ours[0], (ours, theirs)
+
+
+@pytest.mark.slow
+def test_debug_hf_moe_trains_compiled_on_4_ranks(tmp_path, capfd):
+    losses = _train(HF_MOE, tmp_path, "--training.steps", 8, "--checkpoint.interval", 0)
+    assert "SimpleFSDP compiled with passes on 4 cpu ranks (dp_shard 4 x ep 2)" in capfd.readouterr().out
+    assert len(losses) == 8 and losses[-1] < 0.8 * losses[0], losses
 
 
 def _children(pid: int) -> list[int]:
