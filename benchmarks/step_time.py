@@ -59,7 +59,8 @@ MODES = {
     "FSDP2 compiled per block": ("fsdp2", True, True),
 }
 REFERENCE = "FSDP2 eager"
-PROFILED = ("SimpleFSDP compiled", "FSDP2 eager")
+PROFILED = ("SimpleFSDP compiled", "FSDP2 eager", "FSDP2 compiled per block")
+TOP_KERNELS = 12  # the kernels with the most GPU time, kept per profiled run
 
 
 class StepTimer:
@@ -127,6 +128,7 @@ def gpu_time_split(prof) -> dict[str, float]:
     the communication time during which no other kernel ran (exposed)."""
     split = {"comm": 0.0, "copy": 0.0, "compute": 0.0}
     spans = {"comm": [], "other": []}
+    kernels: dict[str, float] = {}
     for event in prof.events():
         # kernels only: record_function ranges show up on the device timeline too
         if event.device_type != torch.autograd.DeviceType.CUDA or getattr(event, "is_user_annotation", False):
@@ -134,8 +136,10 @@ def gpu_time_split(prof) -> dict[str, float]:
         name = event.name.lower()
         kind = "comm" if "nccl" in name else "copy" if name.startswith(("memcpy", "memset")) else "compute"
         split[kind] += event.device_time / 1e6  # microseconds
+        kernels[event.name[:80]] = kernels.get(event.name[:80], 0.0) + event.device_time / 1e6
         spans["comm" if kind == "comm" else "other"].append((event.time_range.start, event.time_range.end))
     split["exposed_comm"] = exposed_time(spans["comm"], spans["other"]) / 1e6
+    split["kernels"] = dict(sorted(kernels.items(), key=lambda kv: -kv[1])[:TOP_KERNELS])
     return split
 
 
@@ -150,9 +154,11 @@ def profile_steps(step, steps: int) -> dict:
             step()
         torch.cuda.synchronize()
         wall = (time.perf_counter() - begin) / steps
-    split = {k: v / steps for k, v in gpu_time_split(prof).items()}
+    split = gpu_time_split(prof)
+    kernels = {name: seconds / steps for name, seconds in split.pop("kernels").items()}
+    split = {k: v / steps for k, v in split.items()}
     return dict(step_s=wall, **{f"{k}_s": v for k, v in split.items()}, comm_fraction=split["comm"] / wall,
-                exposed_fraction=split["exposed_comm"] / wall)
+                exposed_fraction=split["exposed_comm"] / wall, top_kernels_s=kernels)
 
 
 def run_one(model_name: str, mode: str, ac: str, *, warmup: int, steps: int, device: torch.device,

@@ -29,12 +29,51 @@ def hf_config(model_type: str | None = None, config_path: str | None = None, **f
     return AutoConfig.for_model(model_type, **fields)
 
 
-def hf_causal_lm(config, *, experts_implementation: str | None = None) -> nn.Module:
-    """``AutoModelForCausalLM`` from ``config`` with random weights (the global torch seed)."""
+CAUSAL_SDPA = "simplefsdp_causal_sdpa"
+
+
+def _causal_sdpa_mask(*, attention_mask=None, mask_function=None, q_length: int, kv_length: int, q_offset=0,
+                      kv_offset=0, local_size=None, allow_is_causal_skip: bool = True, **kwargs):
+    """HF's ``sdpa`` mask, but no mask at all for plain causal attention without padding.
+
+    HF's own ``sdpa`` leaves such a mask to SDPA's ``is_causal`` only outside tracing: under
+    torch.compile of the whole model it materializes the mask, and SDPA then cannot use its
+    flash kernels (on the H200, a 2.2B Qwen3-MoE's attention took 29 ms a step instead of 10).
+    Sliding-window, chunked and padded masks are made as HF makes them.
+    """
+    from transformers.masking_utils import causal_mask_function, sdpa_mask
+
+    if (allow_is_causal_skip and attention_mask is None and mask_function is causal_mask_function
+            and local_size is None and q_offset == 0 and kv_offset == 0 and q_length == kv_length):
+        return None
+    return sdpa_mask(attention_mask=attention_mask, mask_function=mask_function, q_length=q_length,
+                     kv_length=kv_length, q_offset=q_offset, kv_offset=kv_offset, local_size=local_size,
+                     allow_is_causal_skip=allow_is_causal_skip, **kwargs)
+
+
+def _register_causal_sdpa() -> None:
+    """Add :data:`CAUSAL_SDPA` to transformers' attention and mask registries (adds a name, changes no other)."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    AttentionInterface.register(CAUSAL_SDPA, ALL_ATTENTION_FUNCTIONS["sdpa"])
+    AttentionMaskInterface.register(CAUSAL_SDPA, _causal_sdpa_mask)
+
+
+def hf_causal_lm(config, *, experts_implementation: str | None = None, attn_implementation: str | None = None) -> nn.Module:
+    """``AutoModelForCausalLM`` from ``config`` with random weights (the global torch seed).
+
+    ``attn_implementation``: transformers' own names, or :data:`CAUSAL_SDPA` (HF's SDPA attention
+    with causal masks left to SDPA's ``is_causal`` under torch.compile too, see
+    :func:`_causal_sdpa_mask`); None: transformers' default.
+    """
     from transformers import AutoModelForCausalLM
 
-    kwargs = {} if experts_implementation is None else {"experts_implementation": experts_implementation}
-    return AutoModelForCausalLM.from_config(config, **kwargs)
+    if attn_implementation == CAUSAL_SDPA:
+        _register_causal_sdpa()
+    kwargs = {"experts_implementation": experts_implementation, "attn_implementation": attn_implementation}
+    return AutoModelForCausalLM.from_config(config, **{k: v for k, v in kwargs.items() if v is not None})
 
 
 def hf_flops_per_token(config, seq_len: int) -> float:

@@ -110,7 +110,8 @@ def build(cfg: JobConfig, world: int, device_type: str):
     if cfg.model["kind"] == "hf":
         from simplefsdp.models.hf import hf_causal_lm
 
-        model = hf_causal_lm(model_cfg, experts_implementation=cfg.model.get("experts_implementation"))
+        model = hf_causal_lm(model_cfg, experts_implementation=cfg.model.get("experts_implementation"),
+                             attn_implementation=cfg.model.get("attn_implementation"))
     else:
         model = moe_transformer(model_cfg) if cfg.model["kind"] == "moe" else Transformer(model_cfg)
     if p.tp > 1:

@@ -5,7 +5,8 @@ A config has five sections; every key has a default, so a file names only what i
 
     [model]       kind = "dense" | "moe", then the fields of TransformerConfig / MoEConfig; or
                   kind = "hf", model_type (a transformers model type) or config (a local
-                  config.json), optional experts_implementation, then that config's fields
+                  config.json), optional experts_implementation and attn_implementation, then
+                  that config's fields
     [parallel]    dp_replicate, dp_shard (-1: the ranks left over), tp, ep, ep_chunks, mode,
                   reshard_after_forward, activation_checkpoint
     [training]    steps, lr, seed, global_batch, seq_len, dataset, compile, passes, param_dtype,
@@ -37,7 +38,7 @@ class ConfigError(ValueError):
 
 MODEL_KINDS = {"dense": TransformerConfig, "moe": MoEConfig}
 HF = "hf"  # a Hugging Face transformers model: its fields are the transformers config's
-HF_KEYS = ("model_type", "config", "experts_implementation")  # what [model] holds besides config fields
+HF_KEYS = ("model_type", "config", "experts_implementation", "attn_implementation")  # [model] keys besides config fields
 DTYPES = ("float32", "bfloat16")
 
 

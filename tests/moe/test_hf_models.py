@@ -159,3 +159,32 @@ def test_experts_outside_the_contract_are_named(fake_world):
     assert [type(m) for m in model.modules()] == classes
     for n, p in model.named_parameters():
         assert type(p) is torch.nn.Parameter and torch.equal(p, before[n])
+
+
+def _attention_masks(attn_implementation: str):
+    """(SDPA's attn_mask and is_causal in the Dynamo graph of a compiled tiny Qwen3-MoE, its logits)."""
+    from simplefsdp.models.hf import CAUSAL_SDPA  # noqa: F401 (the name the caller passes)
+
+    torch.manual_seed(0)
+    model = hf_causal_lm(hf_config("qwen3_moe", **FAMILIES["qwen3_moe"]), attn_implementation=attn_implementation)
+    seen = []
+
+    def backend(gm, example_inputs):
+        for node in gm.graph.nodes:
+            if node.op == "call_function" and "scaled_dot_product_attention" in str(node.target):
+                seen.append((node.kwargs.get("attn_mask"), node.kwargs.get("is_causal")))
+        return gm.forward
+
+    torch._dynamo.reset()
+    tokens = torch.randint(0, 97, (2, 16))
+    return seen, torch.compile(model, backend=backend, fullgraph=True)(tokens).logits, model(tokens).logits
+
+
+def test_causal_sdpa_leaves_the_causal_mask_to_sdpa_under_compile():
+    from simplefsdp.models.hf import CAUSAL_SDPA
+
+    hf_masks, _, _ = _attention_masks("sdpa")
+    assert all(mask is not None and not causal for mask, causal in hf_masks)  # what HF's sdpa does under compile
+    masks, compiled, eager = _attention_masks(CAUSAL_SDPA)
+    assert len(masks) == 2 and all(mask is None and causal for mask, causal in masks)
+    torch.testing.assert_close(compiled, eager, rtol=0, atol=1e-6)
