@@ -55,10 +55,16 @@ def _context_fn(mode: str):
 def apply_activation_checkpointing(model: nn.Module, mode: str = "full", *, blocks: str | None = None) -> nn.Module:
     """Wrap every block of ``model`` (:func:`simplefsdp.blocks.block_list`: ``model.layers``, an
     HF model's decoder layers, or the list at the path ``blocks``) in a checkpoint (in place;
-    returns ``model``)."""
+    returns ``model``). An HF model's ``config.use_cache`` is set to False, as HF's own
+    ``gradient_checkpointing_enable`` does."""
     if mode not in MODES:
         raise ValueError(f"activation checkpointing mode must be one of {MODES}; got {mode!r}")
     layers = block_list(model, blocks)
+    config = getattr(model, "config", None)
+    if getattr(config, "use_cache", False):
+        # a Hugging Face model would append the recomputed keys and values to its KV cache again
+        # (the re-run then differs from forward); HF's own gradient checkpointing turns it off too
+        config.use_cache = False
     context_fn = functools.partial(_context_fn, mode)
     # a stable hash lets AOTAutograd cache graphs with these regions (see param_gather.py)
     context_fn.cache_hash = f"simplefsdp.activation_checkpoint: saves {sorted(map(str, _saved(mode)))} and random ops"

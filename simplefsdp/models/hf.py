@@ -39,7 +39,10 @@ def _causal_sdpa_mask(*, attention_mask=None, mask_function=None, q_length: int,
     HF's own ``sdpa`` leaves such a mask to SDPA's ``is_causal`` only outside tracing: under
     torch.compile of the whole model it materializes the mask, and SDPA then cannot use its
     flash kernels (on the H200, a 2.2B Qwen3-MoE's attention took 29 ms a step instead of 10).
-    Sliding-window, chunked and padded masks are made as HF makes them.
+    Sliding-window, chunked and padded masks are made as HF makes them. So is the mask of a model
+    without a KV cache (``use_cache=False``, as activation checkpointing sets it): HF then checks
+    ``position_ids`` for packed sequences, which it cannot do under tracing, so the mask it asks
+    for is causal and packed, not plain causal.
     """
     from transformers.masking_utils import causal_mask_function, sdpa_mask
 

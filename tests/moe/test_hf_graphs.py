@@ -35,6 +35,10 @@ from tests.conftest import FAKE_RANKS, fake_world_at
 from tests.moe.hf_families import FAMILIES
 
 EP = 2
+# even shards at world 8: with the families' vocabulary of 97, the last fake rank's compiled backward
+# handed the embedding shard a gradient of the padded size ([13, 32] for a [6, 32] shard), where
+# gloo at world 4 trains the same uneven shards correctly (test_hf_models.py); not yet explained
+VOCAB = 96
 
 
 @pytest.fixture(**FAKE_RANKS)
@@ -52,7 +56,8 @@ def _spread(router, args, output):
 
 def _hf_model(family: str, **fields):
     torch.manual_seed(0)
-    model = hf_causal_lm(hf_config(family, **{**FAMILIES[family], **fields}), experts_implementation="batched_mm")
+    fields = {**FAMILIES[family], "vocab_size": VOCAB, **fields}
+    model = hf_causal_lm(hf_config(family, **fields), experts_implementation="batched_mm")
     for layer in model.model.layers:
         if hasattr(layer.mlp, "experts"):
             layer.mlp.gate.register_forward_hook(_spread)
@@ -100,9 +105,9 @@ def _collective_counts(graph: torch.fx.Graph) -> collections.Counter:
 
 @pytest.mark.slow  # about 100 s a rank on 2 cores
 def test_hf_blocks_are_bucketed_like_ours(fake_world):
-    cfg = dataclasses.replace(MOE_CONFIGS["debug"], vocab_size=97, dim=32, n_layers=2, n_heads=4, n_kv_heads=4,
+    cfg = dataclasses.replace(MOE_CONFIGS["debug"], vocab_size=VOCAB, dim=32, n_layers=2, n_heads=4, n_kv_heads=4,
                               n_dense_layers=1, num_experts=8, top_k=2, expert_dim=16, ffn_dim=48)
-    tokens = torch.randint(0, 97, (2, 16))
+    tokens = torch.randint(0, VOCAB, (2, 16))
     ours = moe_transformer(cfg)
     for layer in ours.layers[1:]:
         layer.feed_forward.router.register_forward_hook(lambda r, a, out: _spread(r, a, (None, *out))[1:])
@@ -129,7 +134,7 @@ def _windows_and_shared(graph: torch.fx.Graph, layer: str):
 def test_gated_shared_expert_fills_the_all_to_all_windows(fake_world):
     """Qwen2-MoE: ``shared_expert`` and ``shared_expert_gate`` run while the first dispatch or the
     last combine is in flight (HF computes them before the router, outside both, as traced)."""
-    tokens = torch.randint(0, 97, (2, 16))
+    tokens = torch.randint(0, VOCAB, (2, 16))
     forward = _compiled_graphs(_hf_model("qwen2_moe", num_hidden_layers=1), tokens)[0]
     windows, shared = _windows_and_shared(forward, "model.layers.0.mlp")
     assert len(shared) == 4  # gate_proj, up_proj, down_proj and the gate

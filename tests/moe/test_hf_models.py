@@ -13,12 +13,14 @@ from dataclasses import dataclass
 
 import pytest
 import torch
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
 pytest.importorskip("transformers")
 
 from simplefsdp import simple_fsdp
+from simplefsdp.activation_checkpoint import apply_activation_checkpointing
 from simplefsdp.models.hf import hf_causal_lm, hf_config
 from simplefsdp.models.llama import cross_entropy_loss
 from simplefsdp.train.data import SyntheticTokens, rank_slice
@@ -40,6 +42,7 @@ class Run:
     compiled: bool = False
     ep: int = 2
     one_ep_rank: bool = False  # every token routed to the first ep rank's experts
+    ac: str | None = None  # activation checkpointing of the decoder layers
 
 
 RUNS = {f"{family}/{impl}": Run(family, impl) for family in FAMILIES for impl in ("grouped_mm", "eager")}
@@ -49,6 +52,9 @@ RUNS.update({
     # the second ep rank receives no rows: its experts' weights still get (zero) gradients
     "qwen3_moe/grouped_mm/one_ep_rank": Run("qwen3_moe", "grouped_mm", one_ep_rank=True),
     "qwen3_moe/eager/one_ep_rank": Run("qwen3_moe", "eager", one_ep_rank=True),
+    # apply_activation_checkpointing finds HF's decoder layers (model.model.layers)
+    "deepseek_v3/grouped_mm/ac_full": Run("deepseek_v3", ac="full"),
+    "qwen2_moe/grouped_mm/ac_selective": Run("qwen2_moe", ac="selective"),
 })
 # compiled in fp32 on CPU: HF's batched_mm. (Its grouped_mm falls back to a custom op there whose
 # backward reads the offsets to the host, which fails to trace: "Could not guard on
@@ -90,7 +96,7 @@ def _train(model, runner, dp_rank: int = 0, dp_size: int = 1):
         loss = cross_entropy_loss(runner(tokens).logits, labels)
         loss.backward()
         if grads is None:
-            grads = {n: _full(p.grad) for n, p in model.named_parameters()}
+            grads = {n.replace("._checkpoint_wrapped_module", ""): _full(p.grad) for n, p in model.named_parameters()}
         optimizer.step()
         optimizer.zero_grad()
         reported = loss.detach().clone()
@@ -111,7 +117,12 @@ def _body(group: str):
         run = RUNS[name]
         torch._dynamo.reset()
         mesh = init_device_mesh("cpu", (4,), mesh_dim_names=("dp_shard",))
-        model = simple_fsdp(_model(run), mesh, ep=run.ep)
+        model = _model(run)
+        if run.ac is not None:
+            assert model.config.use_cache  # HF's default: checkpointing must turn it off
+            checkpointed = apply_activation_checkpointing(model, run.ac)
+            assert all(isinstance(layer, CheckpointWrapper) for layer in checkpointed.model.layers)
+        model = simple_fsdp(model, mesh, ep=run.ep)
         runner = torch.compile(model, fullgraph=True) if run.compiled else model
         out[name] = _train(model, runner, dist.get_rank(), dist.get_world_size())
     return out
@@ -121,7 +132,7 @@ def _body(group: str):
 def references():
     cache = {}
 
-    def get(run: Run):
+    def get(run: Run):  # without checkpointing: it changes no value
         key = (run.family, run.impl, run.one_ep_rank)
         if key not in cache:
             model = _model(run)
