@@ -165,13 +165,17 @@ _GATHERS: dict = {}
 
 
 def _group_identity(value):
-    """``value`` with each DeviceMesh replaced by the mesh and the names of its process groups.
+    """``value`` with each DeviceMesh replaced by the mesh, the names of its process groups and
+    this rank's coordinate in it.
 
     DeviceMesh equality compares ranks and dim names only, so a mesh rebuilt over new process
-    groups equals the old one; the cache must not hand it the old groups.
+    groups equals the old one, and so does the same mesh seen from another rank (a later world in
+    one process, where group names restart): the cache must not hand it the old groups, nor the
+    old rank's shard shapes.
     """
     if isinstance(value, DeviceMesh):
-        return (value, tuple(value.get_group(d).group_name for d in range(value.ndim)))
+        groups = tuple(value.get_group(d).group_name for d in range(value.ndim))
+        return (value, groups, tuple(value.get_coordinate() or ()))
     if isinstance(value, tuple):
         return tuple(_group_identity(v) for v in value)
     return value

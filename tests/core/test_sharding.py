@@ -21,6 +21,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 from simplefsdp import simple_fsdp
 from simplefsdp.models.moe import MOE_CONFIGS, moe_transformer
 from simplefsdp.models.tp_plan import apply_tensor_parallel
+from simplefsdp.param_access import WRAPPED_ATTR, is_wrapped
 from simplefsdp.sharding import chunk_bounds
 
 DEBUG = MOE_CONFIGS["debug"]  # 8 experts
@@ -88,3 +89,17 @@ def test_chunk_bounds_follow_torch_chunk():
                 offset, length = chunk_bounds(size, parts, i)
                 expected = chunks[i].tolist() if i < len(chunks) else []
                 assert list(range(offset, offset + length)) == expected, (size, parts, i)
+
+
+def test_a_later_world_gathers_as_its_own_rank():
+    """Gathers are shared per configuration, process groups and this rank's place in the mesh: a
+    model wrapped as rank 7 after one wrapped as rank 0, in one process (equal meshes, group names
+    restarted), gathers with rank 7's mesh. It got rank 0's, whose shard shapes it then traced."""
+    for rank in (0, 7):
+        with _wrapped(rank, 8, (8,), ("dp_shard",), 2, 8) as (model, _):
+            meshes = [mesh for m in model.modules() if is_wrapped(m)
+                      for gather in getattr(m, WRAPPED_ATTR).gathers.values() for mesh, _ in gather.steps]
+            # this rank's place, read from each mesh's rank grid
+            assert meshes and all(
+                list(mesh.get_coordinate()) == (mesh.mesh == rank).nonzero()[0].tolist() for mesh in meshes
+            ), rank

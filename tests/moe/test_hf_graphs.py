@@ -31,21 +31,16 @@ from simplefsdp.passes import SimpleFSDPPasses
 from simplefsdp.passes.a2a_overlap import SHARED_EXPERTS
 from simplefsdp.passes.fx_utils import module_path, op_name, pinned_call
 from simplefsdp.passes.ops import MATMULS
-from tests.conftest import fake_world_at
+from tests.conftest import FAKE_RANKS, fake_world_at
 from tests.moe.hf_families import FAMILIES
 
 EP = 2
-VOCAB = 96  # the families' 97 over 8 ranks would leave rank 7 six rows (see the fixture)
+VOCAB = 97  # uneven over 8 ranks: rank 7 holds 6 rows (and the gate's [1, 32] weight nothing)
 
 
-# Rank 0 only. Run after rank 0 in the same process, the last rank's compile of these models was
-# handed rank 0's shard shapes for unevenly sharded parameters ("_FromTorchTensorBackward returned
-# an invalid gradient at index 0 - got [1, 32] but expected shape compatible with [0, 32]" for
-# Qwen2-MoE's shared_expert_gate) and failed; run alone, as rank 7, it passes. Some cache keyed by
-# mesh equality outlives the fake world; not yet found.
-@pytest.fixture(scope="module")
-def fake_world():
-    yield from fake_world_at(0)
+@pytest.fixture(**FAKE_RANKS)
+def fake_world(request):
+    yield from fake_world_at(request.param)
 
 
 def _spread(router, args, output):
