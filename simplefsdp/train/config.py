@@ -230,7 +230,8 @@ def _check(ok: bool, key: str, message: str) -> None:
         raise ConfigError(f"{key}: {message}")
 
 
-def _validate_native(cfg: JobConfig) -> None:
+def _validate_native(cfg: JobConfig):
+    """The model section of this project's models; returns their config."""
     kind = cfg.model["kind"]
     allowed = _model_fields(kind)
     for name in cfg.model:
@@ -251,10 +252,11 @@ def _validate_native(cfg: JobConfig) -> None:
         _check(1 <= m.top_k <= m.num_experts, "model.top_k", f"must be in 1..num_experts ({m.num_experts}), got {m.top_k}")
         _check(0 <= m.n_dense_layers <= m.n_layers, "model.n_dense_layers", f"must be in 0..n_layers ({m.n_layers})")
         _check(m.score_func in ("sigmoid", "softmax"), "model.score_func", f"must be sigmoid or softmax, got {m.score_func!r}")
+    return m
 
 
-def _validate_hf(cfg: JobConfig) -> None:
-    """model_type or config (one of them), and only fields the transformers config has."""
+def _validate_hf(cfg: JobConfig):
+    """model_type or config (one of them), and only fields the transformers config has; returns the config."""
     _check(importlib.util.find_spec("transformers") is not None, "model.kind", "'hf' needs the transformers package")
     model = cfg.model
     _check(("model_type" in model) != ("config" in model), "model.model_type",
@@ -272,6 +274,7 @@ def _validate_hf(cfg: JobConfig) -> None:
     for name in model:
         _check(name in ("kind", *HF_KEYS) or hasattr(default, name), f"model.{name}",
                f"not a field of {type(default).__name__}")
+    return cfg.model_config()
 
 
 def _hf_num_experts(config) -> int | None:
@@ -282,11 +285,7 @@ def _hf_num_experts(config) -> int | None:
 def validate(cfg: JobConfig, world: int) -> None:
     """Check everything that can be checked before a rank starts, for ``world`` ranks."""
     kind = cfg.model["kind"]
-    if kind == HF:
-        _validate_hf(cfg)
-    else:
-        _validate_native(cfg)
-    m = cfg.model_config()
+    m = _validate_hf(cfg) if kind == HF else _validate_native(cfg)
     # (key, value) of the model's positions and routed experts
     positions = ("model.max_position_embeddings", m.max_position_embeddings) if kind == HF else ("model.max_seq_len", m.max_seq_len)
     experts = ("the model's routed experts", _hf_num_experts(m)) if kind == HF else ("model.num_experts", getattr(m, "num_experts", None))
