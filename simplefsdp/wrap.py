@@ -4,7 +4,8 @@
    mesh and mode (:mod:`.mesh_layout`), tensor-parallel parameters, shapes, dtypes, routed experts.
 2. **Plan** per parameter how compute gathers it (a :class:`~simplefsdp.param_gather.ParamGather`)
    and how it is stored (a function of :mod:`.sharding`).
-3. **Apply**: initialize meta parameters, store each parameter as its shard (tied parameters once),
+3. **Apply**: module by module, initialize meta parameters (``reset_parameters()``, or a Hugging
+   Face model's ``_init_weights``) and store each parameter as its shard (tied parameters once),
    attach the token dispatcher to routed experts, and swap each parameter-owning module's class
    for one whose parameters read as shards outside forward and gathered inside
    (:mod:`.param_access`); install the root's hooks (mixed-precision casts, eager resharding).
@@ -80,7 +81,7 @@ def _check_parameters(model: nn.Module, layout: DataParallelLayout) -> None:
                 raise ValueError(
                     f"parameter {full!r} is 0-dim and {layout.mode} shards dim 0; store it with shape [1]"
                 )
-            if param.is_meta and not callable(getattr(module, "reset_parameters", None)):
+            if param.is_meta and _initializer(model, module) is None:
                 raise ValueError(
                     f"parameter {full!r} is on the meta device and {type(module).__name__} has no "
                     "reset_parameters() to initialize it; materialize the model or define reset_parameters()"
@@ -121,19 +122,26 @@ def _check_flags(ep, ep_chunks, reshard_after_forward) -> int:
     return 1 if ep == 1 else ep_chunks or DEFAULT_EP_CHUNKS
 
 
-def _materialize_meta(model: nn.Module, device: torch.device) -> None:
-    """Allocate meta parameters on ``device`` and initialize them with the owner's ``reset_parameters()``.
+def _initializer(model: nn.Module, module: nn.Module):
+    """How ``module``'s tensors are initialized once allocated: a Hugging Face model's own
+    ``_init_weights(module)`` (what ``from_config`` runs on every module), else the module's
+    ``reset_parameters()``; None when it has neither."""
+    if any(c.__name__ == "PreTrainedModel" and c.__module__.startswith("transformers.") for c in type(model).__mro__):
+        return lambda: model._init_weights(module)
+    reset = getattr(module, "reset_parameters", None)
+    return reset if callable(reset) else None
 
-    Modules are visited in registration order, one at a time, so peak memory is one module's
-    unsharded parameters and a seeded run draws the same values as building the model on ``device``.
-    """
-    for module in model.modules():
-        tensors = {**module._parameters, **module._buffers}
-        if not any(t is not None and t.is_meta for t in tensors.values()):
-            continue
-        module.to_empty(device=device, recurse=False)
+
+def _materialize(model: nn.Module, module: nn.Module, device: torch.device) -> None:
+    """Allocate ``module``'s own meta parameters and buffers on ``device`` and initialize them."""
+    tensors = {**module._parameters, **module._buffers}
+    if not any(t is not None and t.is_meta for t in tensors.values()):
+        return
+    module.to_empty(device=device, recurse=False)
+    init = _initializer(model, module)
+    if init is not None:  # a module of meta buffers only may have none
         with torch.no_grad():
-            module.reset_parameters()
+            init()
 
 
 def _mesh_device(layout: DataParallelLayout) -> torch.device:
@@ -252,7 +260,9 @@ def simple_fsdp(
 
     Args:
         model: the module to wrap; its parameters must be plain tensors (on the mesh's device, the
-            CPU, or the meta device when their modules define ``reset_parameters()``).
+            CPU, or the meta device when their modules define ``reset_parameters()`` or the model
+            is a Hugging Face ``PreTrainedModel``; each module is then allocated, initialized and
+            sharded in turn, so no rank holds the whole model).
         mesh: a 1-D DeviceMesh (fully sharded over it) or a mesh with dims named ``dp_replicate``,
             ``dp_shard`` and ``tp``.
         mode: ``"fully_shard"`` (Shard(0) on ``dp_shard``), ``"replicate"`` (DDP: Replicate on
@@ -295,8 +305,9 @@ def simple_fsdp(
             plan = {n: _plan_parameter(module._parameters[n], routed.get(module), layout, settings, device) for n in names}
             plans.append((module, names, plan))
 
-    # apply
-    _materialize_meta(model, device)
+    # apply: modules are materialized (meta parameters allocated and initialized) and sharded one
+    # at a time, in registration order: peak memory is one module's full parameters, and a seeded
+    # run draws the same values as building the model on the device
     tokens = token_group(layout.experts.ep_mesh, layout.ep_rank_groups()) if routed else None
     state = ForwardState()
     # tied parameters (one object under several owners) are sharded once and share one key
@@ -315,11 +326,13 @@ def simple_fsdp(
             keys={n: keys[id(module._parameters[n])] for n in names},
             tied={n: owners[id(module._parameters[n])] > 1 for n in names},
         )
+        originals = {name: module._parameters[name] for name in names}  # tied: one object, before allocation
+        _materialize(model, module, device)  # before its parameters become shards
         for name in names:
-            param = module._parameters[name]
-            if id(param) not in sharded:
-                sharded[id(param)] = plan[name][1].store(param)
-            module._parameters[name] = sharded[id(param)]
+            pid = id(originals[name])
+            if pid not in sharded:
+                sharded[pid] = plan[name][1].store(module._parameters[name])
+            module._parameters[name] = sharded[pid]
         attach(module, wrapped, state)
         for name in names:
             if wrapped.tied[name]:
@@ -327,6 +340,8 @@ def simple_fsdp(
     if routed:  # dispatch split sizes become unbacked symbolic sizes, not graph breaks
         torch._dynamo.config.capture_scalar_outputs = True
     for module in model.modules():  # buffers follow the parameters to the mesh's device
+        if not any(p is not None for p in module._parameters.values()):
+            _materialize(model, module, device)  # a module of meta buffers only
         for name, buf in module._buffers.items():
             if buf is not None:
                 module._buffers[name] = buf.to(device)

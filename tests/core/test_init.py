@@ -110,3 +110,22 @@ def test_without_writeback_or_after_an_error_the_shards_are_unchanged(fake_world
     with pytest.raises(ValueError, match="writeback must be True or False; got 1"):
         with gathered(model, writeback=1):
             pass
+
+
+def test_a_meta_model_is_allocated_and_sharded_one_module_at_a_time(fake_world):
+    """When a module's parameters are allocated and initialized, every earlier module's are already
+    shards: a rank never holds the whole model, only one module of it at full size."""
+    from torch.distributed.tensor import DTensor
+
+    sharded_when_initialized = []
+
+    class Recording(nn.Linear):
+        def reset_parameters(self):
+            super().reset_parameters()
+            if not self.weight.is_meta:  # not the call in nn.Linear's constructor
+                sharded_when_initialized.append([isinstance(m.weight, DTensor) for m in model])
+
+    with torch.device("meta"):
+        model = nn.Sequential(*(Recording(8, 8) for _ in range(3)))
+    _wrap(model, (8,), ("dp_shard",), 1)
+    assert sharded_when_initialized == [[False, False, False], [True, False, False], [True, True, False]]
