@@ -74,9 +74,16 @@ def _sync_replicas(local: torch.Tensor, mesh: DeviceMesh, placements) -> None:
 
 def _cut(tensor: torch.Tensor, cuts) -> torch.Tensor:
     """This rank's chunk of ``tensor`` after each (1-D mesh, dim) cut in turn (a view)."""
+    return tensor[_box(tensor.shape, cuts)]
+
+
+def _box(shape, cuts) -> tuple[slice, ...]:
+    """Where this rank's chunk lies in a ``shape``-d tensor after each (1-D mesh, dim) cut in turn."""
+    start, size = [0] * len(shape), list(shape)
     for mesh, dim in cuts:
-        tensor = local_chunk(tensor, dim, mesh)
-    return tensor
+        offset, size[dim] = chunk_bounds(size[dim], mesh.size(), mesh.get_local_rank())
+        start[dim] += offset
+    return tuple(slice(a, a + n) for a, n in zip(start, size))
 
 
 def _dp_cuts(layout: DataParallelLayout) -> list[tuple[DeviceMesh, int]]:
@@ -93,6 +100,10 @@ class _Sharding:
     def part(self, full: torch.Tensor) -> torch.Tensor:
         """This rank's part of the full parameter (a view)."""
         return _cut(full, self.cuts())
+
+    def box(self, shape) -> tuple[slice, ...]:
+        """Where this rank's part lies in the full ``shape``-d parameter, one slice per dim."""
+        return _box(shape, self.cuts())
 
     def full(self, part: torch.Tensor, shape: torch.Size) -> torch.Tensor:
         """The whole ``shape``-d parameter from every rank's ``part`` (all-gathers, last cut first).

@@ -1,0 +1,143 @@
+"""Hugging Face ``save_pretrained`` directories into and out of wrapped models
+(:mod:`simplefsdp.models.hf_weights`).
+
+On 4 gloo ranks at FSDP4 x EP2, each family's tiny model (``tests.moe.hf_families``, 8 experts,
+a vocabulary of 97 that 4 ranks split unevenly) is built with other random values, wrapped, and
+loaded from a directory HF's own ``save_pretrained`` wrote: every tensor then equals the saved
+model's, bit for bit, and each rank has read exactly as many elements as its shards hold. Saved
+back, the directory has the keys HF's own save wrote, and ``from_pretrained`` reads the same values.
+
+The families cover the key forms: per-expert ``gate_proj`` / ``up_proj`` stacked and concatenated
+(Qwen3-MoE), renamed first (Mixtral's ``block_sparse_moe.experts.N.w1``), with persistent buffers
+and a dense first layer (DeepSeek-V3), and experts stored fused with biases (gpt-oss). An FSDP2
+model (another wrapper's DTensors) loads too.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
+
+pytest.importorskip("transformers")
+
+from simplefsdp import simple_fsdp
+from simplefsdp.baselines.fsdp2 import fsdp2
+from simplefsdp.models.hf import hf_causal_lm, hf_config
+from simplefsdp.models.hf_weights import load_hf_weights, save_hf_weights
+from tests import training as T
+from tests.moe.hf_families import FAMILIES
+
+# family/how: built on the meta device (simple_fsdp allocates, initializes with HF's own
+# _init_weights and shards one module at a time), or wrapped by FSDP2 instead
+LOADED = ("qwen3_moe", "mixtral", "deepseek_v3", "gpt_oss", "qwen3_moe/meta", "qwen3_moe/fsdp2")
+TOKENS = torch.arange(2 * 16).reshape(2, 16) % 97
+
+
+def _model(family: str, seed: int, device: str = "cpu", **fields):
+    torch.manual_seed(seed)
+    with torch.device(device):
+        return hf_causal_lm(hf_config(family, **{**FAMILIES[family], **fields}))
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    return (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone()
+
+
+def _local_elements(model) -> int:
+    """Elements this rank holds: parameter shards and persistent buffers."""
+    params = sum((p.to_local() if isinstance(p, DTensor) else p).numel() for p in model.parameters())
+    buffers = sum(b.numel() for n, b in model.named_buffers() if n in model.state_dict())
+    return params + buffers
+
+
+def _body(root: str):
+    mesh = init_device_mesh("cpu", (4,), mesh_dim_names=("dp_shard",))
+    out = {}
+    for run in LOADED:
+        family, _, how = run.partition("/")
+        model = _model(family, seed=1, device="meta" if how == "meta" else "cpu")  # other values than the saved model's
+        model = fsdp2(model, mesh) if how == "fsdp2" else simple_fsdp(model, mesh, ep=2)
+        loaded = load_hf_weights(model, os.path.join(root, family))
+        reads = [None] * dist.get_world_size()
+        dist.all_gather_object(reads, (loaded.elements_read, _local_elements(model)))
+        state = {k: _full(v) for k, v in model.state_dict().items()}
+        with torch.no_grad():
+            logits = model(TOKENS).logits  # every rank the same tokens: non-persistent buffers count too
+        save_hf_weights(model, os.path.join(root, "resaved", run.replace("/", "-")))
+        out[run] = reads, state, logits
+    return out
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    root = tmp_path_factory.mktemp("hf_weights")
+    for family in {run.partition("/")[0] for run in LOADED}:
+        _model(family, seed=0).save_pretrained(root / family)
+    return root
+
+
+def _checkpoint_keys(directory) -> set[str]:
+    from safetensors import safe_open
+
+    index = directory / "model.safetensors.index.json"
+    if index.exists():
+        return set(json.loads(index.read_text())["weight_map"])
+    with safe_open(directory / "model.safetensors", "pt") as f:
+        return set(f.keys())
+
+
+@pytest.mark.parametrize("run", LOADED)
+def test_load_reads_each_ranks_slices_and_save_round_trips(run, saved):
+    from transformers import AutoModelForCausalLM
+
+    reads, state, logits = T.launch_once(_body, 4, str(saved))[run]
+    family = run.partition("/")[0]
+    model = _model(family, seed=0)
+    reference = model.state_dict()
+    assert state.keys() == reference.keys()
+    assert all(torch.equal(state[k], reference[k]) for k in reference), [k for k in reference if not torch.equal(state[k], reference[k])]
+    print(f"{run}: elements read by rank (shard elements): {reads}, checkpoint {sum(v.numel() for v in reference.values())}")
+    assert all(read == local for read, local in reads)
+    with torch.no_grad():
+        torch.testing.assert_close(logits, model(TOKENS).logits, rtol=0, atol=1e-5)
+
+    resaved = saved / "resaved" / run.replace("/", "-")
+    assert _checkpoint_keys(resaved) == _checkpoint_keys(saved / family)
+    back = AutoModelForCausalLM.from_pretrained(resaved).state_dict()
+    assert all(torch.equal(back[k], reference[k]) for k in reference)
+
+
+def _shards(model) -> dict[str, torch.Tensor]:
+    return {n: p.to_local().clone() for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize(
+    "fields, message",
+    [
+        (dict(moe_intermediate_size=24), r"model\.layers\.0\.mlp\.experts\.down_proj: the checkpoint's is \(8, 32, 16\), the model's \(8, 32, 24\)"),
+        (dict(num_hidden_layers=3), r"11 model keys are not in the checkpoint: model\.layers\.2\."),
+        (dict(num_hidden_layers=1), r"checkpoint keys match no key of the model \(Qwen3MoeForCausalLM\): model\.layers\.1\."),
+    ],
+    ids=["shape", "missing", "unexpected"],
+)
+def test_a_checkpoint_that_does_not_fit_is_named_and_nothing_is_loaded(fields, message, saved, fake_world):
+    mesh = init_device_mesh("cpu", (8,), mesh_dim_names=("dp_shard",))
+    model = simple_fsdp(_model("qwen3_moe", seed=1, **fields), mesh, ep=2)
+    before = _shards(model)
+    with pytest.raises(ValueError, match=message):
+        load_hf_weights(model, saved / "qwen3_moe")
+    after = _shards(model)
+    assert all(torch.equal(after[n], before[n]) for n in before)
+
+
+def test_a_directory_without_safetensors_is_named(tmp_path, fake_world):
+    mesh = init_device_mesh("cpu", (8,), mesh_dim_names=("dp_shard",))
+    model = simple_fsdp(_model("qwen3_moe", seed=1), mesh, ep=2)
+    with pytest.raises(ValueError, match="no model.safetensors or model.safetensors.index.json"):
+        load_hf_weights(model, tmp_path)
