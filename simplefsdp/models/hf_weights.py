@@ -39,6 +39,8 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import _CHECKPOINT_PREFIX
+
 from simplefsdp.param_access import WRAPPED_ATTR, is_wrapped
 
 _SINGLE_FILE, _INDEX_FILE = "model.safetensors", "model.safetensors.index.json"
@@ -68,33 +70,47 @@ class LoadedWeights:
 # the model side: each key's tensor, full shape and this rank's box
 
 
-def _model_entries(model: nn.Module) -> dict[str, tuple[torch.Tensor, torch.Size, tuple[slice, ...], int]]:
-    """Model key -> (tensor to fill, full shape, this rank's box, id of the parameter object).
+@dataclass(frozen=True)
+class _Entry:
+    """One model key on this rank."""
+
+    module: nn.Module
+    name: str  # in module._parameters or module._buffers
+    tensor: torch.Tensor  # what a load fills: the parameter's local shard, or the buffer
+    shape: torch.Size  # the full tensor's
+    box: tuple[slice, ...]  # this rank's part of the full tensor
+
+
+@torch.no_grad()  # to_local() is then the shard itself, not an autograd view
+def _model_entries(model: nn.Module) -> dict[str, _Entry]:
+    """The model's keys as in its ``state_dict`` (activation-checkpoint wrappers left out).
 
     Parameters of wrapped modules are their local shards, with the box their sharding stored;
     other parameters and persistent buffers are whole.
     """
     entries = {}
     for module_name, module in model.named_modules(remove_duplicate=False):
-        prefix = f"{module_name}." if module_name else ""
+        prefix = f"{module_name}.".replace(_CHECKPOINT_PREFIX, "") if module_name else ""
         wrapped = getattr(module, WRAPPED_ATTR, None) if is_wrapped(module) else None
         for name, param in module._parameters.items():
             if param is None:
                 continue
             if wrapped is not None and name in wrapped.shardings:
-                local, shape = param.to_local(), param.shape
-                box = wrapped.shardings[name].box(shape)
+                box = wrapped.shardings[name].box(param.shape)
             elif isinstance(param, DTensor):  # another wrapper's (FSDP2's) shard
-                local, shape = param.to_local(), param.shape
                 box = _dtensor_box(prefix + name, param)
             else:
-                local, shape = param, param.shape
-                box = tuple(slice(0, n) for n in shape)
-            entries[prefix + name] = (local, shape, box, id(param))
+                box = _whole(param.shape)
+            local = param.to_local() if isinstance(param, DTensor) else param
+            entries[prefix + name] = _Entry(module, name, local, param.shape, box)
         for name, buf in module._buffers.items():
             if buf is not None and name not in module._non_persistent_buffers_set:
-                entries[prefix + name] = (buf, buf.shape, tuple(slice(0, n) for n in buf.shape), id(buf))
+                entries[prefix + name] = _Entry(module, name, buf, buf.shape, _whole(buf.shape))
     return entries
+
+
+def _whole(shape) -> tuple[slice, ...]:
+    return tuple(slice(0, n) for n in shape)
 
 
 def _dtensor_box(name: str, param: DTensor) -> tuple[slice, ...]:
@@ -107,12 +123,13 @@ def _dtensor_box(name: str, param: DTensor) -> tuple[slice, ...]:
     return tuple(slice(o, o + n) for o, n in zip(offset, local_shape))
 
 
-def _tied_aliases(entries) -> dict[str, list[str]]:
-    """Model key -> every key of the same tensor object (one entry per tied group's keys)."""
-    by_object: dict[int, list[str]] = {}
-    for name, (*_, obj) in entries.items():
-        by_object.setdefault(obj, []).append(name)
-    return {name: names for names in by_object.values() for name in names}
+def _tied_aliases(entries: dict[str, _Entry]) -> dict[str, list[str]]:
+    """Model key -> every key of the same tensor (tied parameters share one)."""
+    by_tensor: dict[int, list[str]] = {}
+    for name, entry in entries.items():
+        tensor = entry.module._parameters.get(entry.name, entry.tensor)  # the parameter, not a view of it
+        by_tensor.setdefault(id(tensor), []).append(name)
+    return {name: names for names in by_tensor.values() for name in names}
 
 
 # ------------------------------------------------------------------------------------------------
@@ -281,17 +298,22 @@ def _plan_load(model: nn.Module, directory: str) -> tuple[_Headers, list[_Target
         )
     targets = []
     for name, (sources, converter) in sorted(groups.items()):
-        tensor, shape, box, _ = entries[name]
+        entry = entries[name]
         if converter is None:
             if len(sources) != 1:
-                raise ValueError(f"{name}: {len(sources)} checkpoint keys map to it: {[k for _, k in sources]}")
+                raise ValueError(f"{directory}: {name}: {len(sources)} checkpoint keys map to it: {[k for _, k in sources]}")
             got = headers.meta(sources[0][1]).shape
         else:
             got = _convert(converter, name, sources, {k: headers.meta(k) for _, k in sources}, model).shape
-        if got != shape:
-            raise ValueError(f"{name}: the checkpoint's is {tuple(got)}, the model's {tuple(shape)} (from {sources[0][1]})")
-        targets.append(_Target(name, tensor, shape, box, sources, converter))
+        if got != entry.shape:
+            raise ValueError(f"{directory}: {name}: the checkpoint's is {tuple(got)}, the model's {tuple(entry.shape)} (from {sources[0][1]})")
+        targets.append(_Target(name, entry.tensor, entry.shape, entry.box, sources, converter))
     return headers, targets
+
+
+def check_hf_weights(model: nn.Module, directory: str) -> None:
+    """The checks :func:`load_hf_weights` makes first (headers only; ``model`` may be on the meta device)."""
+    _plan_load(model, directory)
 
 
 @torch.no_grad()
@@ -328,8 +350,7 @@ def _owners(model: nn.Module, entries, world: int) -> dict[str, int]:
         groups.setdefault(block, []).append(key)
 
     def nbytes(key):
-        tensor, shape, *_ = entries[key]
-        return torch.Size(shape).numel() * tensor.element_size()
+        return entries[key].shape.numel() * entries[key].tensor.element_size()
 
     load, owner = [0] * world, {}
     for group in sorted(groups, key=lambda g: (-sum(nbytes(k) for k in groups[g]), g)):
@@ -340,10 +361,9 @@ def _owners(model: nn.Module, entries, world: int) -> dict[str, int]:
 
 
 @torch.no_grad()
-def _full(model: nn.Module, key: str) -> torch.Tensor:
-    """The whole tensor of model key ``key`` (gathers a sharded parameter: every rank calls it)."""
-    module_name, _, name = key.rpartition(".")
-    module = model.get_submodule(module_name)
+def _full(entry: _Entry) -> torch.Tensor:
+    """The whole tensor of a model key (gathers a sharded parameter: every rank calls it)."""
+    module, name = entry.module, entry.name
     if name not in module._parameters:
         return module._buffers[name].detach()
     param = module._parameters[name]
@@ -369,8 +389,8 @@ def save_hf_weights(model: nn.Module, directory: str) -> None:
     owner = _owners(model, entries, world)
     writers = sorted(set(owner.values()))
     mine = {}
-    for key in entries:  # the same order on every rank
-        full = _full(model, key)
+    for key, entry in entries.items():  # the same order on every rank
+        full = _full(entry)
         if owner[key] == rank:
             mine[key] = full.cpu()
     out = {}

@@ -99,6 +99,7 @@ def build(cfg: JobConfig, world: int, device_type: str):
     """(model, what to call for forward, optimizer) for this rank."""
     from simplefsdp import compile_options, simple_fsdp
     from simplefsdp.activation_checkpoint import apply_activation_checkpointing
+    from simplefsdp.models.hf_weights import load_hf_weights
     from simplefsdp.models.llama import Transformer
     from simplefsdp.models.moe import moe_transformer
     from simplefsdp.models.tp_plan import apply_tensor_parallel
@@ -107,11 +108,15 @@ def build(cfg: JobConfig, world: int, device_type: str):
     mesh = _mesh(cfg, world, device_type)
     torch.manual_seed(t.seed)
     model_cfg = cfg.model_config()
+    weights = cfg.model.get("weights")
     if cfg.model["kind"] == "hf":
         from simplefsdp.models.hf import hf_causal_lm
 
-        model = hf_causal_lm(model_cfg, experts_implementation=cfg.model.get("experts_implementation"),
-                             attn_implementation=cfg.model.get("attn_implementation"))
+        # with weights, SimpleFSDP's model starts on the meta device: each rank allocates its shards
+        # and reads only their slices; FSDP2's is built whole and loaded before it is sharded
+        with torch.device("meta" if weights and t.baseline != "fsdp2" else "cpu"):
+            model = hf_causal_lm(model_cfg, experts_implementation=cfg.model.get("experts_implementation"),
+                                 attn_implementation=cfg.model.get("attn_implementation"))
     else:
         model = moe_transformer(model_cfg) if cfg.model["kind"] == "moe" else Transformer(model_cfg)
     if p.tp > 1:
@@ -121,6 +126,8 @@ def build(cfg: JobConfig, world: int, device_type: str):
     if t.baseline == "fsdp2":
         from simplefsdp.baselines.fsdp2 import fsdp2
 
+        if weights:
+            load_hf_weights(model, weights)
         model = fsdp2(model, mesh, ep=p.ep, ep_chunks=p.ep_chunks or None, mp_policy=_mp_policy(cfg),
                       reshard_after_forward=p.reshard_after_forward)
         runner = model
@@ -131,6 +138,8 @@ def build(cfg: JobConfig, world: int, device_type: str):
         mode = None if p.mode == "auto" else p.mode
         model = simple_fsdp(model, mesh, mode=mode, ep=p.ep, ep_chunks=p.ep_chunks or None, mp_policy=_mp_policy(cfg),
                             reshard_after_forward=p.reshard_after_forward)
+        if weights:
+            load_hf_weights(model, weights)
         runner = model
         if t.compile:
             options = None if t.passes else compile_options(bucketing="none", a2a_overlap=False, prefetch=0)

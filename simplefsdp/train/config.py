@@ -38,7 +38,8 @@ class ConfigError(ValueError):
 
 MODEL_KINDS = {"dense": TransformerConfig, "moe": MoEConfig}
 HF = "hf"  # a Hugging Face transformers model: its fields are the transformers config's
-HF_KEYS = ("model_type", "config", "experts_implementation", "attn_implementation")  # [model] keys besides config fields
+# [model] keys besides config fields; weights: a local save_pretrained directory to start from
+HF_KEYS = ("model_type", "config", "experts_implementation", "attn_implementation", "weights")
 DTYPES = ("float32", "bfloat16")
 
 
@@ -274,7 +275,26 @@ def _validate_hf(cfg: JobConfig):
     for name in model:
         _check(name in ("kind", *HF_KEYS) or hasattr(default, name), f"model.{name}",
                f"not a field of {type(default).__name__}")
-    return cfg.model_config()
+    config = cfg.model_config()
+    if "weights" in model:
+        _check_hf_weights(config, model["weights"])
+    return config
+
+
+def _check_hf_weights(config, directory: str) -> None:
+    """The weights fit the model the config describes (file headers only, a meta-device model)."""
+    import torch
+
+    from simplefsdp.models.hf import hf_causal_lm
+    from simplefsdp.models.hf_weights import check_hf_weights
+
+    _check(os.path.isdir(directory), "model.weights", f"no such directory: {directory!r}")
+    with torch.device("meta"):
+        model = hf_causal_lm(config)
+    try:
+        check_hf_weights(model, directory)
+    except ValueError as e:
+        raise ConfigError(f"model.weights: {e}") from None
 
 
 def _hf_num_experts(config) -> int | None:

@@ -34,12 +34,15 @@ from tests import training as T
 from tests.moe.hf_families import FAMILIES
 
 # family/how: built on the meta device (simple_fsdp allocates, initializes with HF's own
-# _init_weights and shards one module at a time), or wrapped by FSDP2 instead
-LOADED = ("qwen3_moe", "mixtral", "deepseek_v3", "gpt_oss", "qwen3_moe/meta", "qwen3_moe/fsdp2")
+# _init_weights and shards one module at a time), wrapped by FSDP2 instead, or with tied
+# embeddings (HF saves one of the two names)
+LOADED = ("qwen3_moe", "mixtral", "deepseek_v3", "gpt_oss", "qwen3_moe/meta", "qwen3_moe/fsdp2", "qwen3_moe/tied")
 TOKENS = torch.arange(2 * 16).reshape(2, 16) % 97
 
 
 def _model(family: str, seed: int, device: str = "cpu", **fields):
+    family, _, how = family.partition("/")
+    fields = dict(fields, tie_word_embeddings=True) if how == "tied" else fields
     torch.manual_seed(seed)
     with torch.device(device):
         return hf_causal_lm(hf_config(family, **{**FAMILIES[family], **fields}))
@@ -60,10 +63,10 @@ def _body(root: str):
     mesh = init_device_mesh("cpu", (4,), mesh_dim_names=("dp_shard",))
     out = {}
     for run in LOADED:
-        family, _, how = run.partition("/")
-        model = _model(family, seed=1, device="meta" if how == "meta" else "cpu")  # other values than the saved model's
+        how = run.partition("/")[2]
+        model = _model(run, seed=1, device="meta" if how == "meta" else "cpu")  # other values than the saved model's
         model = fsdp2(model, mesh) if how == "fsdp2" else simple_fsdp(model, mesh, ep=2)
-        loaded = load_hf_weights(model, os.path.join(root, family))
+        loaded = load_hf_weights(model, os.path.join(root, _saved_as(run)))
         reads = [None] * dist.get_world_size()
         dist.all_gather_object(reads, (loaded.elements_read, _local_elements(model)))
         state = {k: _full(v) for k, v in model.state_dict().items()}
@@ -74,11 +77,17 @@ def _body(root: str):
     return out
 
 
+def _saved_as(run: str) -> str:
+    """The directory of the model ``run`` loads: its family's, or its own for a tied model."""
+    return run.replace("/", "-") if run.endswith("/tied") else run.partition("/")[0]
+
+
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
     root = tmp_path_factory.mktemp("hf_weights")
-    for family in {run.partition("/")[0] for run in LOADED}:
-        _model(family, seed=0).save_pretrained(root / family)
+    for run in LOADED:
+        if not (root / _saved_as(run)).exists():
+            _model(run if run.endswith("/tied") else run.partition("/")[0], seed=0).save_pretrained(root / _saved_as(run))
     return root
 
 
@@ -97,8 +106,7 @@ def test_load_reads_each_ranks_slices_and_save_round_trips(run, saved):
     from transformers import AutoModelForCausalLM
 
     reads, state, logits = T.launch_once(_body, 4, str(saved))[run]
-    family = run.partition("/")[0]
-    model = _model(family, seed=0)
+    model = _model(run, seed=0)
     reference = model.state_dict()
     assert state.keys() == reference.keys()
     assert all(torch.equal(state[k], reference[k]) for k in reference), [k for k in reference if not torch.equal(state[k], reference[k])]
@@ -108,7 +116,7 @@ def test_load_reads_each_ranks_slices_and_save_round_trips(run, saved):
         torch.testing.assert_close(logits, model(TOKENS).logits, rtol=0, atol=1e-5)
 
     resaved = saved / "resaved" / run.replace("/", "-")
-    assert _checkpoint_keys(resaved) == _checkpoint_keys(saved / family)
+    assert _checkpoint_keys(resaved) == _checkpoint_keys(saved / _saved_as(run))
     back = AutoModelForCausalLM.from_pretrained(resaved).state_dict()
     assert all(torch.equal(back[k], reference[k]) for k in reference)
 

@@ -149,6 +149,45 @@ def test_debug_hf_moe_trains_on_4_ranks_like_fsdp2(tmp_path, capfd):
     assert ours == theirs and ours[-1] < ours[0], (ours, theirs)
 
 
+def _hf_weights(directory, **fields) -> str:
+    """A save_pretrained directory of debug_hf_moe's model (``fields`` changed) whose lm_head is zero."""
+    import torch
+
+    from simplefsdp.models.hf import hf_causal_lm
+    from simplefsdp.train.config import load
+
+    cfg = load(HF_MOE)
+    cfg.model.update(fields)
+    torch.manual_seed(5)
+    model = hf_causal_lm(cfg.model_config())
+    torch.nn.init.zeros_(model.lm_head.weight)
+    model.save_pretrained(directory)
+    return str(directory)
+
+
+def test_hf_weights_that_do_not_fit_are_one_line_naming_the_key(capsys, tmp_path):
+    weights = _hf_weights(tmp_path / "weights", moe_intermediate_size=16)
+    capsys.readouterr()  # save_pretrained's progress bar
+    err = _error(capsys, "--config", HF_MOE, "--metrics.out_dir", tmp_path, "--model.weights", weights)
+    assert err.startswith(f"model.weights: {weights}: model.layers.0.mlp.experts.down_proj: the checkpoint's is "
+                          "(8, 64, 16), the model's (8, 64, 32)"), err
+    err = _error(capsys, "--config", HF_MOE, "--metrics.out_dir", tmp_path, "--model.weights", tmp_path / "none")
+    assert err.startswith(f"model.weights: no such directory: '{tmp_path / 'none'}'")
+
+
+@pytest.mark.slow
+def test_debug_hf_moe_starts_from_hf_weights(tmp_path):
+    """[model] weights: a save_pretrained directory whose lm_head is zero gives uniform logits, so
+    the first loss is ln(vocab). SimpleFSDP (built on meta, each rank reading its slices) and
+    FSDP2 (built whole, loaded before sharding) then take the same second step bit for bit, which
+    every loaded weight shapes."""
+    args = ["--training.compile", "false", "--training.steps", 2, "--checkpoint.interval", 0,
+            "--model.weights", _hf_weights(tmp_path / "weights")]
+    ours = _train(HF_MOE, tmp_path / "simplefsdp", *args)
+    theirs = _train(HF_MOE, tmp_path / "fsdp2", *args, "--baseline", "fsdp2")
+    assert abs(ours[0] - math.log(256)) < 1e-6 and ours == theirs, (ours, theirs)
+
+
 @pytest.mark.slow
 def test_debug_hf_moe_trains_compiled_on_4_ranks(tmp_path, capfd):
     """Compiled with the passes, the HF model follows its eager run (seen: 5.56 -> 4.88 in 8 steps)."""
@@ -207,6 +246,18 @@ def test_resume_in_another_layout(tmp_path):
     first = _train(MOE, tmp_path / "split", *args, "--training.steps", 3)
     resumed = _train(MOE, tmp_path / "split", "--training.compile", "false", "--training.steps", 6, "--resume",
                      "--ranks", 2, "--parallel.dp_shard", 2, "--parallel.ep", 2)
+    assert first == whole[:3] and resumed[:3] == first
+    assert max(abs(a - b) for a, b in zip(resumed[3:], whole[3:], strict=True)) < 1e-5, (resumed, whole)
+
+
+@pytest.mark.slow
+def test_hf_moe_resumes_in_another_layout(tmp_path):
+    """An HF model's DCP checkpoint, saved at FSDP4 x EP2 (4 ranks), resumes at FSDP2 x EP2 (2 ranks, edp 1)."""
+    args = ["--training.compile", "false"]
+    whole = _train(HF_MOE, tmp_path / "whole", *args, "--training.steps", 6)
+    first = _train(HF_MOE, tmp_path / "split", *args, "--training.steps", 3)
+    resumed = _train(HF_MOE, tmp_path / "split", *args, "--training.steps", 6, "--resume",
+                     "--ranks", 2, "--parallel.dp_shard", 2)
     assert first == whole[:3] and resumed[:3] == first
     assert max(abs(a - b) for a, b in zip(resumed[3:], whole[3:], strict=True)) < 1e-5, (resumed, whole)
 
