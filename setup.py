@@ -17,7 +17,7 @@ setup(
     ],
     package_dir={"simplefsdp.passes": "passes"},
     install_requires=["torch>=2.11"],
-    extras_require={"dev": ["pytest", "expecttest", "tlparse", "matplotlib", "transformers"], "plot": ["matplotlib"], "hf": ["transformers"]},
+    extras_require={"dev": ["pytest", "expecttest", "tlparse", "matplotlib", "transformers", "accelerate"], "plot": ["matplotlib"], "hf": ["transformers", "accelerate"]},
     entry_points={
         "console_scripts": ["simplefsdp-train=simplefsdp.train.cli:main", "simplefsdp-compare=simplefsdp.train.compare:main"]
     },

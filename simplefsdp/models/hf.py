@@ -73,10 +73,17 @@ def hf_causal_lm(config, *, experts_implementation: str | None = None, attn_impl
     """
     from transformers import AutoModelForCausalLM
 
+    kwargs = hf_model_kwargs(experts_implementation=experts_implementation, attn_implementation=attn_implementation)
+    return AutoModelForCausalLM.from_config(config, **kwargs)
+
+
+def hf_model_kwargs(*, experts_implementation: str | None, attn_implementation: str | None) -> dict:
+    """transformers' keyword arguments for these implementations (None: its default), with
+    :data:`CAUSAL_SDPA` registered when asked for."""
     if attn_implementation == CAUSAL_SDPA:
         _register_causal_sdpa()
     kwargs = {"experts_implementation": experts_implementation, "attn_implementation": attn_implementation}
-    return AutoModelForCausalLM.from_config(config, **{k: v for k, v in kwargs.items() if v is not None})
+    return {k: v for k, v in kwargs.items() if v is not None}
 
 
 def hf_flops_per_token(config, seq_len: int) -> float:

@@ -2,8 +2,9 @@
 
     simplefsdp-train --config configs/debug_moe.toml --training.steps 30 --parallel.ep 2
 
-Trains the configured model (:mod:`simplefsdp.train.config`) with SimpleFSDP, or with FSDP2 for
-comparison (``--baseline fsdp2``), and logs every step (:mod:`simplefsdp.train.metrics`) to stdout and
+Trains the configured model (:mod:`simplefsdp.train.config`) with SimpleFSDP, or for comparison with
+FSDP2 (``--baseline fsdp2``) or, for an HF model, transformers' own expert parallelism
+(``--baseline hf``, :mod:`simplefsdp.baselines.hf_ep`), and logs every step (:mod:`simplefsdp.train.metrics`) to stdout and
 ``<out_dir>/metrics.jsonl``. Under ``torchrun`` it uses the launcher's ranks (nccl on GPUs, gloo on
 CPUs); started plainly it spawns the configured number of CPU ranks itself (gloo), so one command
 runs on a laptop. Checkpoints (:mod:`simplefsdp.train.checkpoint`) are saved every
@@ -26,7 +27,7 @@ import torch.distributed as dist
 
 from simplefsdp.blocks import block_list
 from simplefsdp.train.checkpoint import CheckpointError, Checkpointer, check_folder
-from simplefsdp.train.config import ConfigError, JobConfig, load, model_fingerprint, validate
+from simplefsdp.train.config import BASELINES, ConfigError, JobConfig, load, model_fingerprint, validate
 from simplefsdp.train.data import data_parallel_rank, rank_slice, token_stream
 from simplefsdp.train.grad_norm import clip_grads_
 from simplefsdp.train.optimizer import make_optimizer
@@ -105,10 +106,18 @@ def build(cfg: JobConfig, world: int, device_type: str):
     from simplefsdp.models.tp_plan import apply_tensor_parallel
 
     p, t = cfg.parallel, cfg.training
-    mesh = _mesh(cfg, world, device_type)
     torch.manual_seed(t.seed)
-    model_cfg = cfg.model_config()
     weights = cfg.model.get("weights")
+    if t.baseline == "hf":
+        from simplefsdp.baselines.hf_ep import hf_expert_parallel
+
+        model = hf_expert_parallel(weights, world, experts_implementation=cfg.model.get("experts_implementation"),
+                                   attn_implementation=cfg.model.get("attn_implementation"))
+        if p.activation_checkpoint != "none":
+            model = apply_activation_checkpointing(model, p.activation_checkpoint)
+        return model, model, make_optimizer(model, t.lr)
+    mesh = _mesh(cfg, world, device_type)
+    model_cfg = cfg.model_config()
     if cfg.model["kind"] == "hf":
         from simplefsdp.models.hf import hf_causal_lm
 
@@ -165,7 +174,8 @@ def run(cfg: JobConfig, start_step: int) -> list[float]:
     checkpointer = Checkpointer(cfg.checkpoint_folder, model_fingerprint(cfg), model, optimizer)
     if start_step:
         checkpointer.load(start_step)
-    dp_rank, dp_size = data_parallel_rank(tp)
+    # the hf baseline runs the whole batch on every rank
+    dp_rank, dp_size = (0, 1) if t.baseline == "hf" else data_parallel_rank(tp)
     model_cfg = cfg.model_config()
     stream = token_stream(t.dataset, model_cfg.vocab_size, t.global_batch, t.seq_len, t.seed)
     log = MetricsLog(cfg.out_dir, t.steps, enabled=rank == 0, tensorboard=cfg.metrics.tensorboard, resume_step=start_step)
@@ -173,9 +183,9 @@ def run(cfg: JobConfig, start_step: int) -> list[float]:
     peak = peak_flops(device, cfg.metrics.peak_tflops)
     fpt = flops_per_token(model_cfg, t.seq_len)
     if rank == 0:
-        what = "FSDP2" if t.baseline == "fsdp2" else "SimpleFSDP"
-        how = "compiled" + (" with passes" if t.passes and t.baseline != "fsdp2" else "") if t.compile else "eager"
-        degrees = [f"{name} {size}" for name, size in cfg.degrees(world).items() if size > 1]
+        what = {"simplefsdp": "SimpleFSDP", "fsdp2": "FSDP2", "hf": "transformers' expert parallelism"}[t.baseline]
+        how = "compiled" + (" with passes" if t.passes and t.baseline == "simplefsdp" else "") if t.compile else "eager"
+        degrees = [f"{name} {size}" for name, size in cfg.degrees(world).items() if size > 1 and t.baseline != "hf"]
         degrees += [f"ep {cfg.parallel.ep}"] if cfg.parallel.ep > 1 else []
         print(f"{PROG}: {cfg.name}: {cfg.model['kind']} model, {_count_params(model) / 1e6:.2f}M parameters; "
               f"{what} {how} on {world} {device.type} ranks ({' x '.join(degrees) or 'one rank'}); "
@@ -239,7 +249,7 @@ def parse_args(argv=None) -> tuple[JobConfig, argparse.Namespace]:
     p.add_argument("--ranks", type=int, help="CPU ranks to spawn when not under torchrun "
                    "(default: dp_replicate x dp_shard x tp)")
     p.add_argument("--resume", action="store_true", help="continue from the last checkpoint (checkpoint.resume)")
-    p.add_argument("--baseline", choices=("simplefsdp", "fsdp2"), help="training.baseline")
+    p.add_argument("--baseline", choices=BASELINES, help="training.baseline")
     p.add_argument("--trace-dir", help="dump the compile trace here and render it with tlparse")
     args, rest = p.parse_known_args(argv)
     overrides = _split_overrides(rest)

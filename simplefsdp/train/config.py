@@ -41,6 +41,8 @@ HF = "hf"  # a Hugging Face transformers model: its fields are the transformers 
 # [model] keys besides config fields; weights: a local save_pretrained directory to start from
 HF_KEYS = ("model_type", "config", "experts_implementation", "attn_implementation", "weights")
 DTYPES = ("float32", "bfloat16")
+# simplefsdp, or the same job on torch's fully_shard, or on transformers' own expert parallelism
+BASELINES = ("simplefsdp", "fsdp2", "hf")
 
 
 @dataclass
@@ -68,7 +70,7 @@ class Training:
     param_dtype: str = "float32"
     reduce_dtype: str = "float32"
     max_norm: float = 0.0  # gradient clipping; 0: off
-    baseline: str = "simplefsdp"  # or fsdp2: the same job on torch's fully_shard
+    baseline: str = "simplefsdp"  # one of BASELINES
 
 
 @dataclass
@@ -110,7 +112,7 @@ class JobConfig:
 
     @property
     def out_dir(self) -> str:
-        suffix = "-fsdp2" if self.training.baseline == "fsdp2" else ""
+        suffix = "" if self.training.baseline == "simplefsdp" else f"-{self.training.baseline}"
         return self.metrics.out_dir or os.path.join("runs", self.name + suffix)
 
     @property
@@ -297,6 +299,24 @@ def _check_hf_weights(config, directory: str) -> None:
         raise ConfigError(f"model.weights: {e}") from None
 
 
+def _validate_hf_baseline(cfg: JobConfig, world: int) -> None:
+    """transformers' own expert parallelism (:mod:`simplefsdp.baselines.hf_ep`): what it can run."""
+    p, t = cfg.parallel, cfg.training
+    _check(cfg.model["kind"] == HF, "training.baseline", "hf (transformers' own expert parallelism) needs model.kind = 'hf'")
+    _check("weights" in cfg.model, "model.weights",
+           "the hf baseline loads through from_pretrained: give a save_pretrained directory")
+    _check(importlib.util.find_spec("accelerate") is not None, "training.baseline",
+           "the hf baseline needs the accelerate package (transformers asks for it with a tp_plan)")
+    _check(p.ep == world, "parallel.ep", f"the hf baseline's expert parallelism spans all {world} ranks, "
+           f"with the whole batch on each (no data parallelism); set parallel.ep {world}")
+    _check(cfg.model.get("experts_implementation", "grouped_mm") == "grouped_mm", "model.experts_implementation",
+           "the hf baseline needs grouped_mm: under transformers' (5.17) expert parallelism batched_mm gives wrong "
+           "gradients and eager fails on the sentinel expert ids")
+    _check(not t.compile, "training.compile", "the hf baseline runs eagerly (set training.compile false)")
+    _check(t.param_dtype == t.reduce_dtype == "float32", "training.param_dtype",
+           "the hf baseline trains in the checkpoint's dtype, without a mixed-precision policy (set float32)")
+
+
 def _hf_num_experts(config) -> int | None:
     """The routed-expert count of a transformers config (its families name it differently)."""
     return next((getattr(config, n) for n in ("num_experts", "num_local_experts", "n_routed_experts") if getattr(config, n, None)), None)
@@ -353,7 +373,9 @@ def validate(cfg: JobConfig, world: int) -> None:
     for name in ("param_dtype", "reduce_dtype"):
         _check(getattr(t, name) in DTYPES, f"training.{name}", f"must be one of {DTYPES}, got {getattr(t, name)!r}")
     _check(t.max_norm >= 0, "training.max_norm", f"must be >= 0 (0: no clipping), got {t.max_norm}")
-    _check(t.baseline in ("simplefsdp", "fsdp2"), "training.baseline", f"must be simplefsdp or fsdp2, got {t.baseline!r}")
+    _check(t.baseline in BASELINES, "training.baseline", f"must be one of {', '.join(BASELINES)}, got {t.baseline!r}")
+    if t.baseline == "hf":
+        _validate_hf_baseline(cfg, world)
     if t.baseline == "fsdp2":
         _check(p.tp == 1, "parallel.tp", "the fsdp2 baseline has no tensor parallelism")
         _check(p.mode == "auto", "parallel.mode", "the fsdp2 baseline takes its mode from the degrees (leave mode = 'auto')")
