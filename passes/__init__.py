@@ -71,6 +71,7 @@ class SimpleFSDPPasses(_InferenceAware or CustomGraphPass):
         a2a_overlap: bool = True,
         prefetch: int = 1,
         user_pass=None,
+        blocks=None,
     ):
         if bucketing not in BUCKETING:
             raise ValueError(f"bucketing must be one of {BUCKETING}; got {bucketing!r}")
@@ -82,13 +83,17 @@ class SimpleFSDPPasses(_InferenceAware or CustomGraphPass):
             raise ValueError(f"a2a_overlap must be True or False; got {a2a_overlap!r}")
         if not isinstance(prefetch, int) or isinstance(prefetch, bool) or prefetch < 0:
             raise ValueError(f"prefetch must be an int >= 0 (blocks in flight; 0: off); got {prefetch!r}")
+        if blocks is not None and not (isinstance(blocks, (list, tuple)) and blocks
+                                       and all(isinstance(b, str) and b for b in blocks)):
+            raise ValueError(f"blocks must be a non-empty list of module-list paths (such as ['model.layers']); got {blocks!r}")
+        blocks = tuple(blocks or ())
         self.passes = []
         if bucketing != "none":
-            self.passes.append(FSDPBucketing(bucket_cap_mb, all_gathers=bucketing == "all"))
+            self.passes.append(FSDPBucketing(bucket_cap_mb, all_gathers=bucketing == "all", blocks=blocks))
         if a2a_overlap:
             self.passes.append(AllToAllOverlap())
         if prefetch:
-            self.passes.append(FSDPPrefetch(prefetch))
+            self.passes.append(FSDPPrefetch(prefetch, blocks=blocks))
         self.passes.append(GlooOneInFlight())
         self.user_passes = _user_passes(user_pass)
 
@@ -147,6 +152,7 @@ def compile_options(
     bucket_cap_mb: float | None = None,
     a2a_overlap: bool = True,
     prefetch: int = 1,
+    blocks=None,
 ) -> dict:
     """``torch.compile(options=...)`` that runs the passes configured so, then the user's pass.
 
@@ -154,9 +160,13 @@ def compile_options(
     and dtype, ``"reduce_scatter"`` only the reduce-scatters, ``"none"`` neither. ``bucket_cap_mb`` caps a bucket's size.
     ``a2a_overlap`` overlaps the expert all-to-alls with shared-expert compute. ``prefetch``:
     blocks whose all-gathers are issued ahead (and whose reduce-scatters drain behind); 0: off.
+    ``blocks``: the model's block lists by dotted path from the compiled module (``["model.layers"]``,
+    or ``["stages.0.blocks", "stages.1.blocks"]``), where a parameter's block would otherwise be
+    its path up to the first list index; parameters outside them belong to the root.
     """
     chain = SimpleFSDPPasses(
-        bucketing, bucket_cap_mb, a2a_overlap, prefetch, user_pass=torch._inductor.config.post_grad_custom_post_pass
+        bucketing, bucket_cap_mb, a2a_overlap, prefetch, user_pass=torch._inductor.config.post_grad_custom_post_pass,
+        blocks=blocks,
     )
     return {"post_grad_custom_post_pass": chain}
 

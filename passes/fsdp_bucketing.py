@@ -79,6 +79,7 @@ def plan_buckets(
     graph: torch.fx.Graph,
     bucket_cap_mb: float | None = None,
     kinds: tuple[str, ...] = ("all_gather", "reduce_scatter"),
+    blocks: tuple[str, ...] = (),
 ) -> list[Bucket]:
     """The buckets, in graph order of their first collective; singletons are left out."""
     buckets: dict[tuple, list[Bucket]] = {}
@@ -93,7 +94,7 @@ def plan_buckets(
         else:
             continue
         path = module_path(node)
-        block = node_block(node)
+        block = node_block(node, blocks)
         dtype = str(node.meta["val"].dtype).removeprefix("torch.")
         key = (kind, block, str(group), dtype, *extra)
         chain = buckets.setdefault(key, [])
@@ -159,12 +160,14 @@ class FSDPBucketing(CustomGraphPass):
     training unchanged (tested on gloo ranks).
     """
 
-    def __init__(self, bucket_cap_mb: float | None = None, all_gathers: bool = True, reduce_scatters: bool = True):
+    def __init__(self, bucket_cap_mb: float | None = None, all_gathers: bool = True, reduce_scatters: bool = True,
+                 blocks: tuple[str, ...] = ()):
         self.bucket_cap_mb = bucket_cap_mb
         self.kinds = ("all_gather",) * all_gathers + ("reduce_scatter",) * reduce_scatters
+        self.blocks = tuple(blocks)
 
     def __call__(self, graph: torch.fx.Graph) -> None:
-        buckets = plan_buckets(graph, self.bucket_cap_mb, self.kinds)
+        buckets = plan_buckets(graph, self.bucket_cap_mb, self.kinds, self.blocks)
         record_plan(ARTIFACT, [b.record() for b in buckets])
         for bucket in buckets:
             before = set(graph.nodes)
@@ -181,4 +184,4 @@ class FSDPBucketing(CustomGraphPass):
                     node.meta[BLOCK_META] = bucket.block
 
     def uuid(self) -> bytes:
-        return get_hash_for_files((__file__, fx_utils.__file__), extra=repr((self.bucket_cap_mb, self.kinds)))
+        return get_hash_for_files((__file__, fx_utils.__file__), extra=repr((self.bucket_cap_mb, self.kinds, self.blocks)))

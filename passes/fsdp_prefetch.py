@@ -41,7 +41,7 @@ from simplefsdp.passes.fx_utils import input_closure, node_block, op_name, recor
 ARTIFACT = "simplefsdp_fsdp_prefetch"
 
 
-def _blocks(graph: torch.fx.Graph, names: tuple[str, ...]) -> dict[str, list[torch.fx.Node]]:
+def _blocks(graph: torch.fx.Graph, names: tuple[str, ...], lists: tuple[str, ...]) -> dict[str, list[torch.fx.Node]]:
     """Collectives named ``names`` (parameter gathers only, for all-gathers) per block, in graph order."""
     out: dict[str, list[torch.fx.Node]] = {}
     for node in graph.nodes:
@@ -50,7 +50,7 @@ def _blocks(graph: torch.fx.Graph, names: tuple[str, ...]) -> dict[str, list[tor
             continue
         if name.startswith("all_gather") and input_closure([node]) is None:
             continue
-        out.setdefault(node_block(node), []).append(node)
+        out.setdefault(node_block(node, lists), []).append(node)
     return out
 
 
@@ -60,17 +60,18 @@ class FSDPPrefetch(CustomGraphPass):
     GATHERS = ("all_gather_into_tensor", "all_gather_into_tensor_out", "all_gather_into_tensor_coalesced")
     REDUCE_SCATTERS = ("reduce_scatter_tensor", "reduce_scatter_tensor_out", "reduce_scatter_tensor_coalesced")
 
-    def __init__(self, in_flight: int = 1):
+    def __init__(self, in_flight: int = 1, blocks: tuple[str, ...] = ()):
         if not isinstance(in_flight, int) or in_flight < 1:
             raise ValueError(f"prefetch in_flight must be a positive int; got {in_flight!r}")
         self.in_flight = in_flight
+        self.blocks = tuple(blocks)
 
     def __call__(self, graph: torch.fx.Graph) -> None:
         if fx_utils.runs_on_gloo(graph):
             return
         position = {n: i for i, n in enumerate(graph.nodes)}
         keys, plan = {}, []
-        gathers = list(_blocks(graph, self.GATHERS).items())
+        gathers = list(_blocks(graph, self.GATHERS, self.blocks).items())
         for i, (block, starts) in enumerate(gathers[self.in_flight:], start=self.in_flight):
             earlier = [w for start in gathers[i - self.in_flight][1] for w in waits_of(start)]
             if not earlier:
@@ -82,7 +83,7 @@ class FSDPPrefetch(CustomGraphPass):
                 if position[node] > anchor:
                     keys[node] = (anchor, -1, j)
             plan.append({"block": block, "all_gathers": len(starts), "issued_before": first_wait.name})
-        reductions = list(_blocks(graph, self.REDUCE_SCATTERS).items())
+        reductions = list(_blocks(graph, self.REDUCE_SCATTERS, self.blocks).items())
         for i, (block, starts) in enumerate(reductions):
             later = reductions[i + self.in_flight][1][0] if i + self.in_flight < len(reductions) else None
             for wait in (w for start in starts for w in waits_of(start)):
@@ -97,5 +98,5 @@ class FSDPPrefetch(CustomGraphPass):
             reorder(graph, keys)
 
     def uuid(self) -> bytes:
-        return get_hash_for_files((__file__, fx_utils.__file__), extra=repr(self.in_flight))
+        return get_hash_for_files((__file__, fx_utils.__file__), extra=repr((self.in_flight, self.blocks)))
 

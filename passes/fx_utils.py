@@ -23,6 +23,7 @@ from torch._logging import trace_structured
 from simplefsdp.passes.ops import COLLECTIVES
 
 _LIST_INDEX = re.compile(r"^(.*?(?:\.\d+|\['\d+'\]))(?:\.|\[|$)")
+_INDEX = re.compile(r"\['([^']*)'\]|\[(\d+)\]")  # layers['3'] / layers[3] in Dynamo's paths
 _DYNAMO_PREFIX = re.compile(r"^L\['self'\]\.?|^L\['[^']*'\]\.?")
 
 def op_name(node: torch.fx.Node) -> str | None:
@@ -41,8 +42,19 @@ def module_path(node: torch.fx.Node) -> str:
     return _DYNAMO_PREFIX.sub("", path)
 
 
-def block_of(path: str) -> str:
-    """``layers.3.attention.wq`` -> ``layers.3``; a path with no list index -> ``root``."""
+def block_of(path: str, lists: tuple[str, ...] = ()) -> str:
+    """``layers.3.attention.wq`` -> ``layers.3`` (the path up to its first list index); a path
+    with no list index -> ``root``.
+
+    ``lists`` names the block lists instead (dotted paths such as ``stages.0.blocks``): a path
+    under one of them -> its entry there (``stages.0.blocks.1``); any other path -> ``root``.
+    """
+    if lists:
+        dotted = _INDEX.sub(lambda m: "." + (m.group(1) if m.group(1) is not None else m.group(2)), path)
+        for prefix in lists:
+            if dotted.startswith(prefix + "."):
+                return f"{prefix}.{dotted[len(prefix) + 1:].split('.', 1)[0]}"
+        return "root"
     match = _LIST_INDEX.match(path)
     return match.group(1) if match else "root"
 
@@ -50,9 +62,9 @@ def block_of(path: str) -> str:
 BLOCK_META = "simplefsdp_block"  # set on nodes a pass creates (merged buckets), which have no module path
 
 
-def node_block(node: torch.fx.Node) -> str:
+def node_block(node: torch.fx.Node, lists: tuple[str, ...] = ()) -> str:
     """The block of the parameter a collective moves: :func:`block_of` its module path."""
-    return node.meta.get(BLOCK_META) or block_of(module_path(node))
+    return node.meta.get(BLOCK_META) or block_of(module_path(node), lists)
 
 
 def input_closure(collectives: list[torch.fx.Node]) -> set[torch.fx.Node] | None:

@@ -50,6 +50,48 @@ def test_block_of():
     assert block_of("encoder.layers.0.mlp") == "encoder.layers.0"
     assert block_of("tok_embeddings") == "root"
     assert block_of("") == "root"
+    lists = ("stages.0.blocks", "stages.1.blocks")
+    assert block_of("stages.1.blocks.0.w1", lists) == "stages.1.blocks.0"
+    assert block_of("stages['1'].blocks['0'].w1", lists) == "stages.1.blocks.0"
+    assert block_of("stages.0.norm", lists) == "root"
+
+
+class _Stages(nn.Module):
+    """Blocks two lists deep: ``stages.S.blocks.B``, with a norm per stage."""
+
+    def __init__(self):
+        super().__init__()
+        self.stages = nn.ModuleList(
+            nn.ModuleDict({"norm": nn.LayerNorm(16), "blocks": nn.ModuleList(FeedForward(16, 32) for _ in range(2))})
+            for _ in range(2)
+        )
+
+    def forward(self, x):
+        for stage in self.stages:
+            x = stage["norm"](x)
+            for block in stage["blocks"]:
+                x = x + block(x)
+        return x
+
+
+def test_an_explicit_block_list_gives_each_of_its_entries_a_bucket(fake_world):
+    """Without it, a parameter's block is its path up to the first list index: one bucket per
+    stage. Naming the block lists gives one per block, and the stages' norms join the root's bucket."""
+    def forward_gathers(**options):
+        torch._dynamo.reset()
+        model = simple_fsdp(_Stages(), init_device_mesh("cpu", (8,), mesh_dim_names=("dp_shard",)))
+        plans = []
+        chain = passes.compile_options(**options)["post_grad_custom_post_pass"]
+        bucketing = chain.passes[0]
+        graph_pass = lambda g: plans.append(plan_buckets(g, kinds=("all_gather",), blocks=bucketing.blocks))
+        with captured_graphs(model, passes=[graph_pass]), torch.no_grad():  # the forward graph is enough
+            torch.compile(model, fullgraph=True)(torch.randn(4, 16))
+        return [(b.block, len(b.params)) for b in plans[0]]
+
+    assert forward_gathers() == [("stages.0", 8), ("stages.1", 8)]
+    lists = ["stages.0.blocks", "stages.1.blocks"]
+    assert forward_gathers(blocks=lists) == [("root", 4), ("stages.0.blocks.0", 3), ("stages.0.blocks.1", 3),
+                                             ("stages.1.blocks.0", 3), ("stages.1.blocks.1", 3)]
 
 
 def _kinds(options) -> list:
@@ -74,6 +116,11 @@ def test_compile_options():
         passes.compile_options(a2a_overlap="yes")
     with pytest.raises(ValueError, match=r"prefetch must be an int >= 0 \(blocks in flight; 0: off\); got -1"):
         passes.compile_options(prefetch=-1)
+    with pytest.raises(ValueError, match=r"blocks must be a non-empty list of module-list paths .*; got 'model.layers'"):
+        passes.compile_options(blocks="model.layers")
+    chain = passes.compile_options(blocks=["model.layers"])["post_grad_custom_post_pass"]
+    assert chain.passes[0].blocks == chain.passes[-2].blocks == ("model.layers",)
+    assert chain.uuid() != passes.compile_options()["post_grad_custom_post_pass"].uuid()
 
 
 class _UserPass(torch._inductor.custom_graph_pass.CustomGraphPass):
