@@ -22,7 +22,7 @@ pytest.importorskip("transformers")
 from simplefsdp import simple_fsdp
 from simplefsdp.activation_checkpoint import apply_activation_checkpointing
 from simplefsdp.models.hf import hf_causal_lm, hf_config
-from simplefsdp.models.llama import cross_entropy_loss
+from simplefsdp.train.cli import train_step
 from simplefsdp.train.data import SyntheticTokens, rank_slice
 from simplefsdp.train.optimizer import make_optimizer
 from tests import training as T
@@ -86,23 +86,19 @@ def _full(t: torch.Tensor) -> torch.Tensor:
 
 def _train(model, runner, dp_rank: int = 0, dp_size: int = 1):
     """(first step's gradients by parameter name, the global losses of STEPS fused-AdamW steps)."""
-    import torch.distributed as dist
-
     stream = SyntheticTokens(FAMILIES_VOCAB, GLOBAL_BATCH, SEQ_LEN)
-    optimizer = make_optimizer(model, LR)
-    grads, losses = None, []
-    for step in range(STEPS):
-        tokens, labels = rank_slice(stream.batch(step), dp_rank, dp_size)
-        loss = cross_entropy_loss(runner(tokens).logits, labels)
-        loss.backward()
-        if grads is None:
-            grads = {n.replace("._checkpoint_wrapped_module", ""): _full(p.grad) for n, p in model.named_parameters()}
-        optimizer.step()
-        optimizer.zero_grad()
-        reported = loss.detach().clone()
-        if dp_size > 1:
-            dist.all_reduce(reported, op=dist.ReduceOp.AVG)
-        losses.append(reported.item())
+    optimizer, params = make_optimizer(model, LR), list(model.parameters())
+    grads = {}
+
+    def first_gradients(phase: str) -> None:
+        if phase == "forward+backward" and not grads:
+            grads.update({n.replace("._checkpoint_wrapped_module", ""): _full(p.grad) for n, p in model.named_parameters()})
+
+    losses = [
+        train_step(runner, optimizer, rank_slice(stream.batch(step), dp_rank, dp_size), params=params, dp_size=dp_size,
+                   mark=first_gradients)[0]
+        for step in range(STEPS)
+    ]
     return grads, losses
 
 
@@ -199,3 +195,19 @@ def test_causal_sdpa_leaves_the_causal_mask_to_sdpa_under_compile():
     masks, compiled, eager = _attention_masks(CAUSAL_SDPA)
     assert len(masks) == 2 and all(mask is None and causal for mask, causal in masks)
     torch.testing.assert_close(compiled, eager, rtol=0, atol=1e-6)
+
+
+def test_hf_flops_are_counted_like_ours_for_the_same_shape():
+    """MFU's FLOPs per token: an HF Qwen3-MoE (first layer dense) and this project's MoE model of
+    the same shape count the same, through one entry point; the routed experts count top-k of E."""
+    from simplefsdp.models.moe import MoEConfig
+    from simplefsdp.train.metrics import flops_per_token
+
+    hf = hf_config("qwen3_moe", vocab_size=97, hidden_size=32, num_hidden_layers=3, num_attention_heads=4,
+                   num_key_value_heads=2, head_dim=8, intermediate_size=48, moe_intermediate_size=16, num_experts=8,
+                   num_experts_per_tok=2, mlp_only_layers=[0], tie_word_embeddings=False)
+    ours = MoEConfig(vocab_size=97, dim=32, n_layers=3, n_heads=4, n_kv_heads=2, ffn_dim=48, n_dense_layers=1,
+                     num_experts=8, top_k=2, expert_dim=16, num_shared_experts=0)
+    assert flops_per_token(hf, 64) == flops_per_token(ours, 64)
+    hf.num_experts_per_tok = 4
+    assert flops_per_token(hf, 64) - flops_per_token(ours, 64) == 6 * 2 * (3 * 32 * 16) * 2  # 2 more experts, 2 layers
