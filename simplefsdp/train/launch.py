@@ -11,10 +11,12 @@ Each rank's stderr (fd 2, so also native-code messages such as an abort's) goes 
 the parent copies to its own stderr as it grows, each line prefixed with ``[rank N]``; a rank that
 dies shows the end of its log in the error, and ``faulthandler`` adds its Python stacks.
 
-The ranks share one Inductor cache dir, ``TORCHINDUCTOR_CACHE_DIR`` or else a fresh temporary
-dir (the passes' cache key names each rank's process groups, so ranks of different sub-mesh
-groups never load each other's artifacts), and use one thread each, since the CI machine has two
-cores.
+The ranks share the launching process's Inductor cache dir (``TORCHINDUCTOR_CACHE_DIR``, which
+importing ``torch._inductor.config``, as ``simplefsdp`` does, sets to torch's per-user dir when
+unset), so a second run of a command finds what
+the first compiled; the passes' cache key names each rank's process groups, so ranks of different
+sub-mesh groups never load each other's artifacts. They use one thread each, since the CI machine
+has two cores.
 """
 
 from __future__ import annotations
@@ -50,7 +52,6 @@ def _rank_main(rank, world_size, port, run_dir, results, fn, args):
         WORLD_SIZE=str(world_size),
         TORCHINDUCTOR_COMPILE_THREADS="1",
     )
-    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", run_dir)
     try:
         import torch
         import torch.distributed as dist
