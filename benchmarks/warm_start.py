@@ -1,0 +1,116 @@
+"""Warm start: how long a fresh process takes to its first training step, with an empty compile
+cache (cold) and with the cache a cold run left behind (warm).
+
+For each model config, two child processes in turn build the model through the training entry
+point (``build``: SimpleFSDP compiled with our passes) and run one ``train_step``, both with the
+same fresh ``TORCHINDUCTOR_CACHE_DIR``. Reported per run: the first step's seconds (tracing and
+compiling included), the child's whole wall time (imports and model build too), and torch's
+compile-cache counters (AOTAutograd and FX-graph hits, misses and bypasses), so that a warm run
+that recompiled shows as a miss, not just as a slow number.
+
+One process, one device (world 1: no collective runs).
+
+    python benchmarks/warm_start.py --models moe --out benchmarks/results/warm_start_h200.json
+    python benchmarks/warm_start.py --models configs/debug_dense.toml --set parallel.dp_shard=1   # CPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+COUNTERS = ("autograd_cache_hit", "autograd_cache_miss", "autograd_cache_bypass", "fxgraph_cache_hit",
+            "fxgraph_cache_miss", "fxgraph_cache_bypass")
+
+
+def child(config: str, overrides: list[str]) -> dict:
+    """Build and run one step here; the first step's seconds and the cache counters."""
+    import torch
+    from torch._dynamo.utils import counters
+
+    from simplefsdp.train.cli import build, train_step
+    from simplefsdp.train.config import load, validate
+    from simplefsdp.train.data import token_stream
+    from step_time import start_ranks
+
+    device = start_ranks()
+    cfg = load(config, [kv.split("=", 1) for kv in overrides] + [("training.compile", "true")])
+    validate(cfg, 1)
+    model, runner, optimizer = build(cfg, 1, device.type)
+    t = cfg.training
+    batch = token_stream(t.dataset, cfg.model_config().vocab_size, t.global_batch, t.seq_len, t.seed).batch(0)
+    batch = tuple(x.to(device) for x in batch)
+    start = time.perf_counter()
+    train_step(runner, optimizer, batch, params=list(model.parameters()), dp_size=1, max_norm=t.max_norm)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    seconds = time.perf_counter() - start
+    seen = {**counters["aot_autograd"], **counters["inductor"]}
+    return {"first_step_s": seconds, **{name: seen.get(name, 0) for name in COUNTERS}}
+
+
+def run_twice(config: str, overrides: list[str]) -> list[dict]:
+    """A cold and a warm child process on one fresh cache dir."""
+    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=tempfile.mkdtemp(prefix="warm-start-cache-"))
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (ROOT, os.path.join(ROOT, "benchmarks"), env.get("PYTHONPATH")) if p)
+    rows = []
+    for run in ("cold", "warm"):
+        begin = time.perf_counter()
+        out = subprocess.run([sys.executable, __file__, "--child", config, *sum((["--set", kv] for kv in overrides), [])],
+                             env=env, capture_output=True, text=True, check=False)
+        if out.returncode:
+            raise RuntimeError(f"{run} run of {config} failed:\n{out.stderr[-3000:]}")
+        result = json.loads(out.stdout.strip().splitlines()[-1])
+        rows.append({"config": config, "run": run, "wall_s": time.perf_counter() - begin, **result})
+    return rows
+
+
+def table(rows: list[dict]) -> str:
+    head = "| config | run | first step s | process wall s | AOTAutograd hit / miss / bypass | FX graph hit / miss |"
+    lines = [head, "|" + "---|" * 6]
+    for r in rows:
+        lines.append(f"| {os.path.basename(r['config'])} | {r['run']} | {r['first_step_s']:.1f} | {r['wall_s']:.1f} | "
+                     f"{r['autograd_cache_hit']} / {r['autograd_cache_miss']} / {r['autograd_cache_bypass']} | "
+                     f"{r['fxgraph_cache_hit']} / {r['fxgraph_cache_miss']} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--models", default="moe", help="comma-separated: step_time's names (dense, moe, hf_moe) or config paths")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override (repeatable)")
+    p.add_argument("--out", help="results JSON")
+    p.add_argument("--child", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.child:
+        print(json.dumps(child(args.child, args.set)))
+        return
+    from step_time import CONFIGS
+
+    rows = []
+    for name in args.models.split(","):
+        rows += run_twice(os.path.join(ROOT, CONFIGS[name]) if name in CONFIGS else os.path.abspath(name), args.set)
+    text = table(rows)
+    print(text)
+    if args.out:
+        from report import command_line, environment
+
+        device = "CPU"
+        try:
+            import torch
+
+            device = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
+        except ImportError:
+            pass
+        with open(args.out, "w") as f:
+            json.dump({"environment": environment(device), "command": command_line(), "rows": rows}, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
