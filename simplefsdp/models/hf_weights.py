@@ -37,9 +37,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed.tensor import DTensor, Replicate, Shard
-
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import _CHECKPOINT_PREFIX
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from simplefsdp.param_access import WRAPPED_ATTR, is_wrapped
 
@@ -222,15 +221,16 @@ def _convert(converter, target: str, sources, tensors: dict[str, torch.Tensor], 
 # reading one target's box
 
 
-def _sliced_plan(converter) -> int | None:
-    """For a stack of experts, optionally concatenated: the concatenation dim (0: stack only).
-    None when the converter is anything else (it is then read whole)."""
+def _sliced_plan(target: _Target) -> int | None:
+    """For one source pattern's experts stacked, the concatenation dim 0; for several patterns'
+    stacks concatenated (gate and up), that dim. None when the converter is anything else (its
+    sources are then read whole)."""
     from transformers.core_model_loading import Concatenate, MergeModulelist
 
-    ops = converter.operations
+    ops, patterns = target.converter.operations, {p for p, _ in target.sources}
     if not ops or not isinstance(ops[0], MergeModulelist) or ops[0].dim != 0:
         return None
-    if len(ops) == 1:
+    if len(ops) == 1 and len(patterns) == 1:
         return 0
     if len(ops) == 2 and isinstance(ops[1], Concatenate) and ops[1].dim >= 1:
         return ops[1].dim
@@ -239,7 +239,8 @@ def _sliced_plan(converter) -> int | None:
 
 def _read_stacked(headers: _Headers, target: _Target, cat_dim: int) -> torch.Tensor:
     """This rank's box of ``stack(experts)`` (of ``cat([stack(experts) per pattern], cat_dim)``), read slice by slice."""
-    patterns = list(dict.fromkeys(p for p, _ in target.sources))
+    present = {p for p, _ in target.sources}
+    patterns = [p for p in target.converter.source_patterns if p in present]  # the order they are concatenated in
     by_pattern = {p: [k for q, k in target.sources if q == p] for p in patterns}
     experts, *rest = target.box
     rows = []
@@ -267,7 +268,7 @@ def _read_stacked(headers: _Headers, target: _Target, cat_dim: int) -> torch.Ten
 def _read(headers: _Headers, target: _Target, model) -> torch.Tensor:
     if target.converter is None:
         return headers.read(target.sources[0][1], target.box)
-    cat_dim = _sliced_plan(target.converter)
+    cat_dim = _sliced_plan(target)
     if cat_dim is not None:
         return _read_stacked(headers, target, cat_dim)
     whole = {key: headers.read(key) for _, key in target.sources}

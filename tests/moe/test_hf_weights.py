@@ -149,3 +149,30 @@ def test_a_directory_without_safetensors_is_named(tmp_path, fake_world):
     model = simple_fsdp(_model("qwen3_moe", seed=1), mesh, ep=2)
     with pytest.raises(ValueError, match="no model.safetensors or model.safetensors.index.json"):
         load_hf_weights(model, tmp_path)
+
+
+def test_sliced_reads_equal_transformers_conversion_for_any_box(tmp_path):
+    """A rank's box of stacked (and concatenated) experts, read slice by slice, equals that box of
+    what transformers' own converter makes of the whole tensors, whatever the box, and in the
+    converter's concatenation order, here up before gate, not the keys' sorted order."""
+    from safetensors.torch import save_file
+    from transformers.core_model_loading import Concatenate, MergeModulelist, WeightConverter
+
+    from simplefsdp.models.hf_weights import _convert, _Headers, _read, _Target
+
+    torch.manual_seed(0)
+    experts, rows, cols = 4, 3, 5
+    tensors = {f"mlp.experts.{e}.{name}_proj.weight": torch.randn(rows, cols) for e in range(experts) for name in ("gate", "up")}
+    save_file(tensors, tmp_path / "model.safetensors")
+    headers = _Headers({key: str(tmp_path / "model.safetensors") for key in tensors})
+    converter = WeightConverter(["mlp.experts.*.up_proj.weight", "mlp.experts.*.gate_proj.weight"], "mlp.experts.gate_up_proj",
+                                operations=[MergeModulelist(dim=0), Concatenate(dim=1)])
+    # as _group_by_target gives them: in the keys' sorted order (gate before up)
+    sources = [(next(p for p in converter.source_patterns if key.split(".")[3] in p), key) for key in sorted(tensors)]
+    model = type("Model", (), {"config": None})()
+    whole = _convert(converter, "mlp.experts.gate_up_proj", sources, tensors, model)
+    assert torch.equal(whole[0, :rows], tensors["mlp.experts.0.up_proj.weight"])
+    for box in [(slice(0, 4), slice(0, 6), slice(0, 5)), (slice(1, 3), slice(2, 5), slice(0, 5)),
+                (slice(3, 4), slice(4, 6), slice(1, 4)), (slice(2, 2), slice(0, 6), slice(0, 5))]:
+        target = _Target("mlp.experts.gate_up_proj", None, whole.shape, box, sources, converter)
+        assert torch.equal(_read(headers, target, model), whole[box]), box
