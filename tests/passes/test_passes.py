@@ -473,6 +473,7 @@ def test_a2a_overlap_moe_layer_with_tp(fake_world, shape, names):
     assert forward[combine_wait + 1 :] == ["all_gather_into_tensor[tp] float32", "wait all_gather_into_tensor[tp]"]
 
 
+@pytest.mark.slow  # about 40 s (tlparse renders the trace); tests/core/test_tracing.py covers the trace itself
 def test_trace_records_the_pass_plans(fake_world, tmp_path):
     """simplefsdp.trace writes the structured trace with both passes' plans; tlparse renders them."""
     import shutil

@@ -139,6 +139,7 @@ def test_debug_dense_trains_compiled_on_4_ranks(tmp_path, capfd):
     assert sorted(os.listdir(tmp_path / "checkpoints")) == ["model.json", "step-00000002", "step-00000004", "step-00000005"]
 
 
+@pytest.mark.slow  # about 30 s; tests/moe/test_hf_models.py checks HF parity in the default suite
 def test_debug_hf_moe_trains_on_4_ranks_like_fsdp2(tmp_path, capfd):
     """An unmodified HF Qwen3-MoE, eager FSDP4 x EP2: the loss falls, and --baseline fsdp2 gives the
     same losses bit for bit."""
