@@ -242,6 +242,8 @@ def _read_stacked(headers: _Headers, target: _Target, cat_dim: int) -> torch.Ten
     present = {p for p, _ in target.sources}
     patterns = [p for p in target.converter.source_patterns if p in present]  # the order they are concatenated in
     by_pattern = {p: [k for q, k in target.sources if q == p] for p in patterns}
+    # every expert of a pattern has one shape (the shape check ran the stacking on meta tensors)
+    sizes = {p: headers.meta(by_pattern[p][0]).shape[cat_dim - 1] for p in patterns} if cat_dim else {}
     experts, *rest = target.box
     rows = []
     for e in range(experts.start, experts.stop):
@@ -251,7 +253,7 @@ def _read_stacked(headers: _Headers, target: _Target, cat_dim: int) -> torch.Ten
             if not cat_dim:
                 pieces.append(headers.read(key, tuple(rest)))
                 continue
-            size = headers.meta(key).shape[cat_dim - 1]
+            size = sizes[p]
             want = rest[cat_dim - 1]
             lo, hi = max(want.start, offset), min(want.stop, offset + size)
             if lo < hi:
@@ -394,20 +396,19 @@ def save_hf_weights(model: nn.Module, directory: str) -> None:
         full = _full(entry)
         if owner[key] == rank:
             mine[key] = full.cpu()
-    out = {}
+    os.makedirs(directory, exist_ok=True)
+    out, names = {}, {}
     if mine:
         out = {k: v.contiguous().clone() for k, v in revert_weight_conversion(model, mine).items()}
         file = f"model-{writers.index(rank) + 1:05d}-of-{len(writers):05d}.safetensors"
-        os.makedirs(directory, exist_ok=True)
         save_file(out, os.path.join(directory, file), metadata={"format": "pt"})
-    names = {k: file for k in out} if mine else {}
+        names = dict.fromkeys(out, file)
     sizes = sum(v.numel() * v.element_size() for v in out.values())
     gathered = [(names, sizes)]
     if world > 1:
         gathered = [None] * world
         dist.all_gather_object(gathered, (names, sizes))
     if rank == 0:
-        os.makedirs(directory, exist_ok=True)
         weight_map = {k: f for names, _ in gathered for k, f in names.items()}
         index = {"metadata": {"total_size": sum(s for _, s in gathered)}, "weight_map": dict(sorted(weight_map.items()))}
         with open(os.path.join(directory, _INDEX_FILE), "w") as f:

@@ -13,10 +13,9 @@ dies shows the end of its log in the error, and ``faulthandler`` adds its Python
 
 The ranks share the launching process's Inductor cache dir (``TORCHINDUCTOR_CACHE_DIR``, which
 importing ``torch._inductor.config``, as ``simplefsdp`` does, sets to torch's per-user dir when
-unset), so a second run of a command finds what
-the first compiled; the passes' cache key names each rank's process groups, so ranks of different
-sub-mesh groups never load each other's artifacts. They use one thread each, since the CI machine
-has two cores.
+unset), so a second run of a command finds what the first compiled; the passes' cache key names
+each rank's process groups, so ranks of different sub-mesh groups never load each other's
+artifacts. They use one thread each, since the CI machine has two cores.
 """
 
 from __future__ import annotations

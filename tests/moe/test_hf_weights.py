@@ -48,10 +48,6 @@ def _model(family: str, seed: int, device: str = "cpu", **fields):
         return hf_causal_lm(hf_config(family, **{**FAMILIES[family], **fields}))
 
 
-def _full(t: torch.Tensor) -> torch.Tensor:
-    return (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone()
-
-
 def _local_elements(model) -> int:
     """Elements this rank holds: parameter shards and persistent buffers."""
     params = sum((p.to_local() if isinstance(p, DTensor) else p).numel() for p in model.parameters())
@@ -69,7 +65,7 @@ def _body(root: str):
         loaded = load_hf_weights(model, os.path.join(root, _saved_as(run)))
         reads = [None] * dist.get_world_size()
         dist.all_gather_object(reads, (loaded.elements_read, _local_elements(model)))
-        state = {k: _full(v) for k, v in model.state_dict().items()}
+        state = T.full_state(model)
         with torch.no_grad():
             logits = model(TOKENS).logits  # every rank the same tokens: non-persistent buffers count too
         save_hf_weights(model, os.path.join(root, "resaved", run.replace("/", "-")))
