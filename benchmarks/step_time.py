@@ -50,9 +50,10 @@ from report import command_line, environment, table, write_section
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIGS = {"dense": "configs/gpu_dense.toml", "moe": "configs/gpu_moe.toml", "hf_moe": "configs/gpu_hf_moe.toml"}
-# name -> (training.baseline, training.compile, training.passes)
+# name -> (training.baseline, training.compile, training.passes[, training.blocks_once])
 MODES = {
     "SimpleFSDP compiled": ("simplefsdp", True, True),
+    "SimpleFSDP blocks compiled once": ("simplefsdp", True, True, True),
     "SimpleFSDP compiled (no passes)": ("simplefsdp", True, False),
     "SimpleFSDP eager": ("simplefsdp", False, True),
     "FSDP2 eager": ("fsdp2", False, True),
@@ -164,9 +165,10 @@ def profile_steps(step, steps: int) -> dict:
 def run_one(model_name: str, mode: str, ac: str, *, warmup: int, steps: int, device: torch.device,
             profile: int, overrides: list[tuple[str, str]] = ()) -> dict:
     """Train ``warmup + steps`` steps of one model in one mode on every rank; rank 0's figures."""
-    baseline, compiled, passes = MODES[mode]
+    baseline, compiled, passes, *blocks_once = MODES[mode]
     overrides = [*overrides, ("parallel.activation_checkpoint", ac), ("training.baseline", baseline),
-                 ("training.compile", str(compiled)), ("training.passes", str(passes))]
+                 ("training.compile", str(compiled)), ("training.passes", str(passes)),
+                 ("training.blocks_once", str(bool(blocks_once)))]
     cfg = load(os.path.join(ROOT, CONFIGS[model_name]), overrides)
     rank, world = dist.get_rank(), dist.get_world_size()
     validate(cfg, world)

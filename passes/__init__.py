@@ -25,6 +25,7 @@ from torch._inductor import custom_graph_pass
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 
 from simplefsdp.passes.a2a_overlap import AllToAllOverlap
+from simplefsdp.passes.block_region_check import check_block_regions
 from simplefsdp.passes.fsdp_bucketing import FSDPBucketing
 from simplefsdp.passes.fsdp_prefetch import FSDPPrefetch
 from simplefsdp.passes.fx_utils import collective_sequences
@@ -98,6 +99,7 @@ class SimpleFSDPPasses(_InferenceAware or CustomGraphPass):
         self.user_passes = _user_passes(user_pass)
 
     def __call__(self, graph: torch.fx.Graph, is_inference: bool = False) -> None:
+        check_block_regions(graph)
         if _GROUPS.intersection(collective_sequences(graph)):
             for graph_pass in self.passes:
                 graph_pass(graph)
@@ -153,6 +155,7 @@ def compile_options(
     a2a_overlap: bool = True,
     prefetch: int = 1,
     blocks=None,
+    blocks_once: bool = False,
 ) -> dict:
     """``torch.compile(options=...)`` that runs the passes configured so, then the user's pass.
 
@@ -163,12 +166,20 @@ def compile_options(
     ``blocks``: the model's block lists by dotted path from the compiled module (``["model.layers"]``,
     or ``["stages.0.blocks", "stages.1.blocks"]``), where a parameter's block would otherwise be
     its path up to the first list index; parameters outside them belong to the root.
+    ``blocks_once``: the model's blocks compile once (``simplefsdp.compile_blocks_once``); turns
+    off Inductor's buffer reuse, which corrupts the region bodies' inputs (see
+    :mod:`.block_region_check`).
     """
+    if not isinstance(blocks_once, bool):
+        raise ValueError(f"blocks_once must be True or False; got {blocks_once!r}")
     chain = SimpleFSDPPasses(
         bucketing, bucket_cap_mb, a2a_overlap, prefetch, user_pass=torch._inductor.config.post_grad_custom_post_pass,
         blocks=blocks,
     )
-    return {"post_grad_custom_post_pass": chain}
+    options = {"post_grad_custom_post_pass": chain}
+    if blocks_once:
+        options["allow_buffer_reuse"] = False
+    return options
 
 
 __all__ = ["BUCKETING", "AllToAllOverlap", "FSDPBucketing", "FSDPPrefetch", "GlooOneInFlight", "SimpleFSDPPasses", "compile_options", "install"]

@@ -19,7 +19,8 @@ traces the gather where it happens: the traced code is a forward, and a counter 
 changed inside a checkpointed region's trace is a side effect Dynamo refuses. Tied parameters are
 the exception: the root's pre-forward hook, outside every checkpointed region, gathers each once
 and their reads return it. Another parameter read twice in one compiled forward (a loop over its
-module) is gathered twice.
+module) is gathered twice. Inside a block compiled once (:mod:`simplefsdp.block_regions`) reads
+return what the block gathered before entering its region.
 
 :func:`gathered` gives full parameters outside forward (export, evaluation): it gathers every
 parameter once, in the same order on every rank, on entry, and frees them on exit. With
@@ -47,6 +48,7 @@ from simplefsdp.param_gather import ParamGather
 
 WRAPPED_ATTR = "_simplefsdp"
 STATE_ATTR = "_simplefsdp_forward_state"
+REGION_SLOTS_ATTR = "_simplefsdp_region_slots"  # parameter name -> slot in its block's region
 _SWAPPED_CLASSES: dict[tuple[type, tuple[str, ...]], type] = {}
 
 
@@ -65,6 +67,9 @@ class ForwardState:
     # compiled forwards: tied parameters (key -> first owner, name), gathered once by the root
     tied: dict[int, tuple[nn.Module, str]] = field(default_factory=dict)
     compiled_tied: dict[int, torch.Tensor] = field(default_factory=dict)
+    # compiled: the gathered parameters of the block whose region is being traced, by slot
+    # (simplefsdp.block_regions)
+    region: list | None = None
     root_depths: list[int] = field(default_factory=list)  # len(frames) when each root forward began
     backward_depth: int | None = None  # len(frames) when a backward first re-ran a forward
 
@@ -132,6 +137,8 @@ def _gathered_property(name: str) -> property:
         param = module._parameters[name]
         state = getattr(module, STATE_ATTR)
         if torch.compiler.is_compiling():
+            if state.region is not None:  # inside a block's compiled region: gathered outside it
+                return state.region[getattr(module, REGION_SLOTS_ATTR)[name]]
             cached = state.compiled_tied.get(wrapped.keys[name]) if wrapped.tied[name] else None
             return wrapped.gathers[name](param) if cached is None else cached
         return state.read(param, wrapped.keys[name], wrapped.tied[name], wrapped.gathers[name])

@@ -29,12 +29,14 @@ def build_model(cfg: TransformerConfig = CFG) -> Transformer:
     return Transformer(cfg)
 
 
-def wrapped_run(cfg, shape, names, ep: int = 1, *, ac=None, compile_options=None, compiled=False, ep_chunks=None):
+def wrapped_run(cfg, shape, names, ep: int = 1, *, ac=None, compile_options=None, compiled=False, ep_chunks=None,
+                blocks_once=False, reshard_after_forward=True):
     """This rank's (model, what to call for forward, dp rank, dp size): ``cfg``'s model built as
     :func:`build_model` does, tensor-parallel over a ``tp`` dim, checkpointed with ``ac``, wrapped
-    on a fresh mesh of ``shape`` / ``names`` (MoE layers in ``ep_chunks`` token chunks), and
-    compiled (fullgraph) when ``compiled`` or given ``compile_options``."""
-    from simplefsdp import simple_fsdp
+    on a fresh mesh of ``shape`` / ``names`` (MoE layers in ``ep_chunks`` token chunks), with
+    each block compiled once if ``blocks_once``, and compiled (fullgraph) when ``compiled`` or
+    given ``compile_options``."""
+    from simplefsdp import compile_blocks_once, simple_fsdp
     from simplefsdp.activation_checkpoint import apply_activation_checkpointing
     from simplefsdp.models.tp_plan import apply_tensor_parallel
 
@@ -46,7 +48,10 @@ def wrapped_run(cfg, shape, names, ep: int = 1, *, ac=None, compile_options=None
         model = apply_tensor_parallel(model, mesh["tp"])
     if ac is not None:
         model = apply_activation_checkpointing(model, ac)
-    model = simple_fsdp(model, mesh, ep=ep, ep_chunks=ep_chunks)
+    model = simple_fsdp(model, mesh, ep=ep, ep_chunks=ep_chunks, reshard_after_forward=reshard_after_forward)
+    if blocks_once:
+        compile_blocks_once(model)
+        compile_options = {**(compile_options or {}), "allow_buffer_reuse": False}
     compiled = compiled or compile_options is not None
     runner = torch.compile(model, fullgraph=True, options=compile_options) if compiled else model
     return (model, runner, *data_parallel_rank(tp))

@@ -98,7 +98,7 @@ def _mp_policy(cfg: JobConfig):
 
 def build(cfg: JobConfig, world: int, device_type: str):
     """(model, what to call for forward, optimizer) for this rank."""
-    from simplefsdp import compile_options, simple_fsdp
+    from simplefsdp import compile_blocks_once, compile_options, simple_fsdp
     from simplefsdp.activation_checkpoint import apply_activation_checkpointing
     from simplefsdp.models.hf_weights import load_hf_weights
     from simplefsdp.models.llama import Transformer
@@ -151,7 +151,10 @@ def build(cfg: JobConfig, world: int, device_type: str):
             load_hf_weights(model, weights)
         runner = model
         if t.compile:
-            options = None if t.passes else compile_options(bucketing="none", a2a_overlap=False, prefetch=0)
+            passes = {} if t.passes else dict(bucketing="none", a2a_overlap=False, prefetch=0)
+            if t.blocks_once:
+                compile_blocks_once(model)
+            options = compile_options(**passes, blocks_once=t.blocks_once) if passes or t.blocks_once else None
             runner = torch.compile(model, fullgraph=True, options=options)
     return model, runner, make_optimizer(model, t.lr)
 

@@ -9,8 +9,8 @@ A config has five sections; every key has a default, so a file names only what i
                   that config's fields
     [parallel]    dp_replicate, dp_shard (-1: the ranks left over), tp, ep, ep_chunks, mode,
                   reshard_after_forward, activation_checkpoint
-    [training]    steps, lr, seed, global_batch, seq_len, dataset, compile, passes, param_dtype,
-                  reduce_dtype, max_norm, baseline
+    [training]    steps, lr, seed, global_batch, seq_len, dataset, compile, passes, blocks_once,
+                  param_dtype, reduce_dtype, max_norm, baseline
     [checkpoint]  folder, interval, resume
     [metrics]     out_dir, tensorboard, peak_tflops
 
@@ -67,6 +67,7 @@ class Training:
     dataset: str = "synthetic"  # or a .txt (bytes as tokens) / .bin (uint16) / .pt token file
     compile: bool = True
     passes: bool = True  # SimpleFSDP's Inductor passes (when compiled)
+    blocks_once: bool = False  # compile each distinct block once (simplefsdp.compile_blocks_once)
     param_dtype: str = "float32"
     reduce_dtype: str = "float32"
     max_norm: float = 0.0  # gradient clipping; 0: off
@@ -363,6 +364,13 @@ def validate(cfg: JobConfig, world: int) -> None:
                f"{p.ep} does not divide dp_shard {d['dp_shard']} x tp {p.tp} (the ranks experts are spread over)")
         _check(experts[1] % p.ep == 0, "parallel.ep", f"{p.ep} does not divide {experts[0]} {experts[1]}")
 
+    if t.blocks_once:
+        _check(t.compile and t.baseline == "simplefsdp", "training.blocks_once",
+               "compiles SimpleFSDP's blocks once; it needs training.compile and the simplefsdp baseline")
+        _check(not p.reshard_after_forward, "training.blocks_once", "needs parallel.reshard_after_forward = false "
+               "(a compiled region keeps its gathered parameters from forward to backward)")
+        _check(p.ep == 1, "training.blocks_once", f"blocks with routed experts under parallel.ep {p.ep} cannot compile "
+               "once (torch loses the all-to-all's data-dependent sizes in a reused region)")
     _check(t.steps >= 1, "training.steps", f"must be >= 1, got {t.steps}")
     _check(t.lr > 0 and math.isfinite(t.lr), "training.lr", f"must be a positive number, got {t.lr}")
     _check(t.seq_len >= 1, "training.seq_len", f"must be >= 1, got {t.seq_len}")

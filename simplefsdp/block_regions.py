@@ -1,0 +1,136 @@
+"""Compile each distinct block once: the block's math in a nested compile region, its FSDP
+collectives in the model's graph.
+
+A whole-model ``torch.compile`` lowers every block of the model again, so its compile time grows
+with depth. :func:`compile_blocks_once` makes each block's compiled forward do two things:
+
+1. read every parameter of the block, in module order, in the block's own frame: each read is
+   SimpleFSDP's gather (all-gather, casts; re-gathered in backward with
+   ``reshard_after_forward``), traced into the model's graph as before;
+2. call the block's own forward inside ``torch.compiler.nested_compile_region``, with the
+   gathered tensors as explicit arguments. While it is traced, the block's parameters read as
+   those arguments (``ForwardState.region``, by each parameter's slot in the block).
+
+Blocks whose regions trace to the same graph (the same class, shapes and dtypes) share one
+``invoke_subgraph`` body: AOTAutograd and Inductor compile it once, and the model's graph calls
+it per block. Dynamo still traces every block (the slot assignment is a side effect, which keeps
+torch 2.13 from reusing a region's trace; it then deduplicates the traced graphs, as 2.11 always
+does). Every all-gather and reduce-scatter stays in the outer graph, so SimpleFSDP's bucketing and
+prefetch see and reorder them across blocks; Inductor's post-grad passes run on each region body
+first, then on the outer graph.
+
+What it needs, and refuses otherwise (a ValueError before anything changes):
+
+* ``simple_fsdp(..., reshard_after_forward=False)``: AOTAutograd partitions a region's forward and
+  backward bodies by themselves, and the forward body returns what the backward body needs,
+  gathered parameters included, so the outer graph cannot re-gather them: they live from forward
+  to backward, as without resharding (checked: with ``True`` the backward graph re-gathered only
+  the parameters outside regions);
+* no routed experts under expert parallelism (``ep > 1``) in a block: their token all-to-alls take
+  data-dependent split sizes, and torch (2.13) loses those unbacked sizes when a region body is
+  reused ("NameError: name 'u127' is not defined" in the generated outer graph);
+* Inductor's buffer reuse off, ``torch.compile(model, options=compile_options(blocks_once=True))``
+  (checked when the graph is lowered: :mod:`simplefsdp.passes.block_region_check`).
+
+Eagerly nothing changes: the block's forward runs as it is.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from simplefsdp.blocks import block_list
+from simplefsdp.moe.token_dispatch import TokenDispatcher
+from simplefsdp.param_access import REGION_SLOTS_ATTR, STATE_ATTR, WRAPPED_ATTR, is_wrapped
+
+_READS_ATTR = "_simplefsdp_region_reads"  # the block's (module, parameter name) pairs, in slot order
+_REGION_CLASSES: dict[type, type] = {}
+
+
+def _block_math(block: nn.Module, params: list[torch.Tensor], *args, **kwargs):
+    """The block's own forward, reading its parameters from ``params`` (the region's body)."""
+    state = getattr(block, STATE_ATTR)
+    state.region = params
+    try:
+        return block._simplefsdp_block_forward(*args, **kwargs)
+    finally:
+        state.region = None
+
+
+_region = torch.compiler.nested_compile_region(_block_math) if hasattr(torch.compiler, "nested_compile_region") else None
+
+
+def _region_forward(self, *args, **kwargs):
+    if not torch.compiler.is_compiling():
+        return self._simplefsdp_block_forward(*args, **kwargs)
+    params = [getattr(module, name) for module, name in getattr(self, _READS_ATTR)]  # gathers
+    return _region(self, params, *args, **kwargs)
+
+
+def _region_class(cls: type) -> type:
+    """One generated subclass per block class (all blocks share it, so they share guards)."""
+    if cls not in _REGION_CLASSES:
+        _REGION_CLASSES[cls] = type(
+            f"CompiledOnce{cls.__name__}", (cls,), {"forward": _region_forward, "_simplefsdp_block_forward": cls.forward}
+        )
+    return _REGION_CLASSES[cls]
+
+
+def _block_reads(name: str, block: nn.Module, owner: dict) -> list[tuple[nn.Module, str]]:
+    """The block's wrapped parameters as (module, name), in module order; ValueError for what a
+    region cannot hold."""
+    reads = []
+    for path, module in block.named_modules():
+        where = f"{name}.{path}" if path else name
+        if isinstance(getattr(module, "expert_parallel", None), TokenDispatcher):
+            raise ValueError(
+                f"compile_blocks_once: block {name!r} holds routed experts under expert parallelism "
+                f"({where}); their all-to-all split sizes are data-dependent, and torch loses them "
+                "when a compiled region is reused. Compile this model whole (leave blocks inline)."
+            )
+        if not is_wrapped(module):
+            continue
+        if any(g.reshard_after_forward for g in getattr(module, WRAPPED_ATTR).gathers.values()):
+            raise ValueError(
+                f"compile_blocks_once: {where} was wrapped with reshard_after_forward=True; a region "
+                "keeps its gathered inputs from forward to backward (its body saves them, so they "
+                "cannot be re-gathered), so wrap with simple_fsdp(..., reshard_after_forward=False)"
+            )
+        if owner.setdefault(module, name) != name:
+            raise ValueError(
+                f"compile_blocks_once: module {where!r} belongs to blocks {owner[module]!r} and "
+                f"{name!r}; a region's parameters must be its block's own"
+            )
+        reads.extend((module, pname) for pname in getattr(module, WRAPPED_ATTR).gathers)
+    return reads
+
+
+def compile_blocks_once(model: nn.Module, blocks: str | None = None) -> nn.Module:
+    """Make ``torch.compile(model)`` compile each distinct block of ``model`` once (in place;
+    returns ``model``). ``model`` must be wrapped by ``simple_fsdp``; ``blocks`` names the block
+    list's path when the default (:func:`simplefsdp.blocks.block_list`) does not find it. Raises
+    ValueError, before changing anything, for a model it cannot apply to (module docstring)."""
+    if _region is None:
+        raise ValueError("compile_blocks_once needs torch.compiler.nested_compile_region (torch >= 2.11)")
+    if not any(is_wrapped(m) for m in model.modules()):
+        raise ValueError("compile_blocks_once needs a model wrapped by simple_fsdp (call simple_fsdp first)")
+    layers = block_list(model, blocks)
+    prefix = blocks if blocks is not None else next(n for n, m in model.named_modules() if m is layers)
+    owner: dict[nn.Module, str] = {}
+    plans = []
+    for i, block in enumerate(layers):
+        name = f"{prefix}.{i}" if prefix else str(i)
+        if hasattr(block, _READS_ATTR):
+            raise ValueError(f"compile_blocks_once: block {name!r} already compiles once")
+        reads = _block_reads(name, block, owner)
+        if not reads:
+            raise ValueError(f"compile_blocks_once: block {name!r} has no parameters wrapped by simple_fsdp")
+        plans.append((block, reads))
+    for block, reads in plans:  # apply, once every block has passed
+        for slot, (module, pname) in enumerate(reads):
+            module.__dict__.setdefault(REGION_SLOTS_ATTR, {})[pname] = slot
+        setattr(block, _READS_ATTR, reads)
+        setattr(block, STATE_ATTR, getattr(reads[0][0], STATE_ATTR))
+        block.__class__ = _region_class(type(block))
+    return model
