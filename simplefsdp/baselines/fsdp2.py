@@ -14,13 +14,22 @@ edp mesh in one of two forms:
 
 Either way the experts' gradients are summed and divided by the whole dp degree, like
 SimpleFSDP's experts (a block unit divides its dense gradients by that same degree).
+
+FSDP2 sees each ep rank's experts as a whole tensor of ``num_experts / ep`` experts, so its state
+dict would give every ep rank the same key with other experts under it, and a DCP checkpoint would
+keep one ep rank's. :func:`global_expert_state` re-labels those entries (parameters and optimizer
+state) as shards of the whole expert tensor on the ``[dp_replicate,] edp, ep`` mesh, sharing
+their storage: saved so, a checkpoint holds every expert and loads into any layout, as
+SimpleFSDP's do.
 """
 
 from __future__ import annotations
 
+import torch
 import torch.nn as nn
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import Shard
+from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
 
 from simplefsdp.blocks import block_list
 from simplefsdp.moe.routed_experts import is_routed_experts, set_dispatcher
@@ -34,10 +43,52 @@ except ImportError:
     ShardPlacementResult = None
 
 
-def _keep_local_experts(module: nn.Module, ep_mesh, chunks: int, group) -> None:
+_EXPERTS_MESH_ATTR = "_fsdp2_experts_mesh"  # routed experts: the [dp_replicate,] edp, ep mesh
+
+
+def _keep_local_experts(module: nn.Module, experts, chunks: int, group) -> None:
     for name, param in list(module.named_parameters(recurse=False)):
-        module._parameters[name] = nn.Parameter(local_experts(param, ep_mesh), requires_grad=param.requires_grad)
-    set_dispatcher(module, TokenDispatcher(ep_mesh, module.num_experts, chunks=chunks, group=group))
+        module._parameters[name] = nn.Parameter(local_experts(param, experts.ep_mesh), requires_grad=param.requires_grad)
+    set_dispatcher(module, TokenDispatcher(experts.ep_mesh, module.num_experts, chunks=chunks, group=group))
+    setattr(module, _EXPERTS_MESH_ATTR, experts.mesh)
+
+
+def _whole_experts(local: DTensor, mesh) -> DTensor:
+    """``local`` (this ep rank's experts, FSDP-sharded) as a shard of all experts on ``mesh``
+    (its mesh's dims, then ep): FSDP's placements, with Shard(0) over ep applied first (a strided
+    shard where FSDP also cuts dim 0, as FSDP2 does under tensor parallelism)."""
+    ep = mesh["ep"].size()
+    names = (*local.device_mesh.mesh_dim_names, "ep")
+    placements = tuple(
+        _StridedShard(0, split_factor=ep) if isinstance(p, Shard) and p.dim == 0 else p for p in local.placements
+    )
+    shape = (local.shape[0] * ep, *local.shape[1:])
+    stride = torch.empty(shape, device="meta").stride()
+    return DTensor.from_local(local.to_local(), mesh[names], (*placements, Shard(0)), run_check=False, shape=shape, stride=stride)
+
+
+def global_expert_state(model: nn.Module, state: dict) -> dict:
+    """A flat model or optimizer state dict of ``model`` (``get_state_dict`` with
+    ``flatten_optimizer_state_dict``) with every routed-expert entry as a shard of all experts
+    (module docstring); other entries as they are. The entries share storage with ``state``'s,
+    so DCP can load into them."""
+    experts = {
+        f"{name}.{pname}": getattr(module, _EXPERTS_MESH_ATTR)
+        for name, module in model.named_modules()
+        if hasattr(module, _EXPERTS_MESH_ATTR)
+        for pname, _ in module.named_parameters(recurse=False)
+    }
+    if not experts:
+        return state
+
+    def owner(key: str):
+        fqn = key.removeprefix("state.").rsplit(".", 1)[0] if key.startswith("state.") else key
+        return experts.get(fqn)
+
+    return {
+        k: _whole_experts(v, owner(k)) if isinstance(v, DTensor) and owner(k) is not None else v
+        for k, v in state.items()
+    }
 
 
 def _expert_mesh(experts):
@@ -92,7 +143,7 @@ def fsdp2(
         for module in model.modules():
             if not is_routed_experts(module):
                 continue
-            _keep_local_experts(module, experts.ep_mesh, ep_chunks or DEFAULT_EP_CHUNKS, tokens)
+            _keep_local_experts(module, experts, ep_chunks or DEFAULT_EP_CHUNKS, tokens)
             placement = Shard(experts.fsdp_dim(module.num_experts))
             if experts_in_blocks:
                 placements.update({p: placement for p in module.parameters()})

@@ -62,15 +62,24 @@ def check_folder(folder: str, fingerprint: str, resume: bool) -> int:
 
 
 class Checkpointer:
-    def __init__(self, folder: str, fingerprint: str, model, optimizer):
+    """Saves and loads ``model`` and ``optimizer``. ``adapt(model, state)`` (optional) maps a
+    flat state dict to the one DCP writes and reads, sharing its tensors' storage (the FSDP2
+    baseline's routed experts: :func:`simplefsdp.baselines.fsdp2.global_expert_state`)."""
+
+    def __init__(self, folder: str, fingerprint: str, model, optimizer, adapt=None):
         self.folder, self.fingerprint = folder, fingerprint
         self.model, self.optimizer = model, optimizer
+        self.adapt = adapt or (lambda model, state: state)
+
+    def _state(self) -> tuple[dict, dict]:
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer, options=_OPTIONS)
+        return (model_sd, optim_sd), {"model": self.adapt(self.model, model_sd), "optim": self.adapt(self.model, optim_sd)}
 
     def _dir(self, step: int) -> str:
         return os.path.join(self.folder, f"step-{step:08d}")
 
     def save(self, step: int) -> None:
-        model_sd, optim_sd = get_state_dict(self.model, self.optimizer, options=_OPTIONS)
+        _, state = self._state()
         final, tmp = self._dir(step), self._dir(step) + ".tmp"
         rank0 = dist.get_rank() == 0
         if rank0:
@@ -79,7 +88,7 @@ class Checkpointer:
                 f.write(self.fingerprint)
             shutil.rmtree(tmp, ignore_errors=True)
         dist.barrier()
-        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=tmp)
+        dcp.save(state, checkpoint_id=tmp)
         dist.barrier()  # every rank's shards are on disk
         if rank0:
             shutil.rmtree(final, ignore_errors=True)
@@ -87,9 +96,6 @@ class Checkpointer:
         dist.barrier()
 
     def load(self, step: int) -> None:
-        model_sd, optim_sd = get_state_dict(self.model, self.optimizer, options=_OPTIONS)
-        state = {"model": model_sd, "optim": optim_sd}
-        dcp.load(state, checkpoint_id=self._dir(step))
-        set_state_dict(
-            self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"], options=_OPTIONS
-        )
+        (model_sd, optim_sd), state = self._state()
+        dcp.load(state, checkpoint_id=self._dir(step))  # in place, into the storage model_sd and optim_sd share
+        set_state_dict(self.model, self.optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd, options=_OPTIONS)

@@ -174,7 +174,10 @@ def run(cfg: JobConfig, start_step: int) -> list[float]:
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     t, tp = cfg.training, cfg.parallel.tp
     model, runner, optimizer = build(cfg, world, device.type)
-    checkpointer = Checkpointer(cfg.checkpoint_folder, model_fingerprint(cfg), model, optimizer)
+    adapt = None
+    if cfg.training.baseline == "fsdp2":
+        from simplefsdp.baselines.fsdp2 import global_expert_state as adapt
+    checkpointer = Checkpointer(cfg.checkpoint_folder, model_fingerprint(cfg), model, optimizer, adapt)
     if start_step:
         checkpointer.load(start_step)
     # the hf baseline runs the whole batch on every rank

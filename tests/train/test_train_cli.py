@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -290,6 +291,24 @@ def test_resume_in_another_layout(tmp_path):
                      "--ranks", 2, "--parallel.dp_shard", 2, "--parallel.ep", 2)
     assert first == whole[:3] and resumed[:3] == first
     assert max(abs(a - b) for a, b in zip(resumed[3:], whole[3:], strict=True)) < 1e-5, (resumed, whole)
+
+
+@pytest.mark.slow
+def test_fsdp2_baseline_checkpoints_every_expert(tmp_path):
+    """FSDP2 FSDP4 x EP2 saves each ep rank's experts as shards of all experts: it resumes in its
+    own layout with the losses of the run that did not stop (before, every ep rank wrote its
+    experts under one key, the checkpoint kept one rank's, and step 4 was off by 0.16), and into
+    FSDP2 without ep and SimpleFSDP FSDP4 x EP2."""
+    args = ["--training.compile", "false", "--baseline", "fsdp2"]
+    whole = _train(MOE, tmp_path / "whole", *args, "--training.steps", 6)
+    first = _train(MOE, tmp_path / "split", *args, "--training.steps", 3)
+    assert first == whole[:3]
+    for layout in (["--baseline", "fsdp2"], ["--baseline", "fsdp2", "--parallel.ep", 1], ["--parallel.ep", 2]):
+        resumed = _train(MOE, tmp_path / "split", "--training.compile", "false", "--training.steps", 6, "--resume",
+                         "--checkpoint.interval", 3, *layout)
+        shutil.rmtree(tmp_path / "split" / "checkpoints" / "step-00000006")
+        assert resumed[:3] == first
+        assert max(abs(a - b) for a, b in zip(resumed[3:], whole[3:], strict=True)) < 1e-5, (layout, resumed, whole)
 
 
 @pytest.mark.slow
