@@ -7,7 +7,9 @@ gradients, with CUDA events (median of ``--steps`` after ``--warmup``):
 * gradient clipping: the old per-parameter norm (two kernels per gradient) against the grouped
   multi-tensor one (:func:`simplefsdp.train.grad_norm.clip_grads_`);
 * AdamW: ``foreach=False`` (the old default) against ``foreach=True`` and the grouped fused
-  optimizer (:func:`simplefsdp.train.optimizer.make_optimizer`).
+  optimizer (:func:`simplefsdp.train.optimizer.make_optimizer`);
+* what a training step runs: the grouped norm, then the fused step dividing each gradient by the
+  clip divisor as it reads it (:func:`simplefsdp.train.optimizer.clipped_step`), and the norm alone.
 
 The floor is the bytes fp32 AdamW must move per step (read parameter, gradient and both moments,
 write parameter and both moments: 28 bytes per parameter) over the GPU's memory bandwidth.
@@ -35,8 +37,8 @@ from step_time import start_ranks  # noqa: E402
 from simplefsdp.models.llama import cross_entropy_loss  # noqa: E402
 from simplefsdp.train.cli import build  # noqa: E402
 from simplefsdp.train.config import load  # noqa: E402
-from simplefsdp.train.grad_norm import clip_grads_  # noqa: E402
-from simplefsdp.train.optimizer import make_optimizer, param_groups  # noqa: E402
+from simplefsdp.train.grad_norm import clip_grads_, grad_norm  # noqa: E402
+from simplefsdp.train.optimizer import clipped_step, make_optimizer, param_groups  # noqa: E402
 
 BANDWIDTH = {"H200": 4.8e12, "H100": 3.35e12}  # bytes/s, HBM peak
 
@@ -92,6 +94,12 @@ def main() -> None:
         rows[name] = median_ms(optimizer.step, args.warmup, args.steps)
         del optimizer
         torch.cuda.empty_cache()
+    # what a training step runs: the grouped norm, then the fused step dividing by the clip divisor
+    optimizer = make_optimizer(model, lr)
+    rows["clip folded into AdamW fused, grouped (training default): norm + step"] = median_ms(
+        lambda: clipped_step(optimizer, params, 1.0), args.warmup, args.steps)
+    rows["clip: grouped norm only"] = median_ms(lambda: grad_norm(params), args.warmup, args.steps)
+    del optimizer
     gpu = next((k for k in BANDWIDTH if k in torch.cuda.get_device_name()), None)
     floor_ms = 28 * n / BANDWIDTH[gpu] * 1e3 if gpu else None
     result = dict(config=os.path.basename(args.config), parameters=n, gpu=torch.cuda.get_device_name(),

@@ -29,8 +29,7 @@ from simplefsdp.blocks import block_list
 from simplefsdp.train.checkpoint import CheckpointError, Checkpointer, check_folder
 from simplefsdp.train.config import BASELINES, ConfigError, JobConfig, load, model_fingerprint, validate
 from simplefsdp.train.data import data_parallel_rank, rank_slice, token_stream
-from simplefsdp.train.grad_norm import clip_grads_
-from simplefsdp.train.optimizer import make_optimizer
+from simplefsdp.train.optimizer import clipped_step, make_optimizer
 from simplefsdp.train.metrics import MetricsLog, StepMetrics, flops_per_token, peak_flops, peak_memory_gib
 from simplefsdp.models.llama import cross_entropy_loss
 from simplefsdp.tracing import trace
@@ -50,9 +49,7 @@ def train_step(runner, optimizer, batch, *, params, dp_size: int, max_norm: floa
     loss = cross_entropy_loss(getattr(out, "logits", out), labels)  # an HF model returns a ModelOutput
     loss.backward()
     mark("forward+backward")
-    norm = clip_grads_(params, max_norm)
-    mark("clip")
-    optimizer.step()
+    norm = clipped_step(optimizer, params, max_norm, mark)
     optimizer.zero_grad()
     mark("optimizer")
     reported = loss.detach().clone()

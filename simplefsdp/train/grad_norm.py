@@ -54,6 +54,18 @@ def _by_mesh(grads: list[torch.Tensor]) -> dict[tuple | None, list[torch.Tensor]
 
 
 @torch.no_grad()
+def grad_norm(params) -> torch.Tensor:
+    """The total gradient norm of ``params`` (every rank gets the same value)."""
+    return total_norm(_by_mesh([p.grad for p in params if p.grad is not None]))
+
+
+def clip_divisor(norm: torch.Tensor, max_norm: float) -> torch.Tensor:
+    """What clipping to ``max_norm`` divides every gradient by: ``(norm + 1e-6) / max_norm``, at
+    least 1 (torch's ``clip_grad_norm_`` multiplies by the reciprocal)."""
+    return ((norm + 1e-6) / max_norm).clamp(min=1.0)
+
+
+@torch.no_grad()
 def clip_grads_(params, max_norm: float) -> torch.Tensor:
     """The total gradient norm of ``params``; gradients scaled down to ``max_norm`` when it is > 0."""
     groups = _by_mesh([p.grad for p in params if p.grad is not None])

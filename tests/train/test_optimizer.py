@@ -86,3 +86,31 @@ def test_clipping_scales_every_gradient_as_torch_does():
 
     with multiprocessing.get_context("spawn").Pool(1) as pool:
         pool.apply(_clipping_body)
+
+
+def test_clipping_folded_into_the_fused_step_matches_scaling_first(fake_world):
+    """``clipped_step`` (the norm, then fused AdamW dividing by the clip divisor as it reads the
+    gradients) moves every shard as clipping the gradients first and then stepping does, to the
+    last bits, over three steps whose gradients need clipping; it leaves no ``grad_scale`` behind."""
+    from simplefsdp.train.grad_norm import clip_grads_
+    from simplefsdp.train.optimizer import clipped_step
+
+    models = [_wrapped_moe() for _ in range(2)]
+    optimizers = [make_optimizer(m, 1e-2) for m in models]
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(3):
+        for (_, a), (_, b) in zip(models[0].named_parameters(), models[1].named_parameters()):
+            grad = torch.randn(a.to_local().shape, generator=gen)
+            for p in (a, b):
+                p.grad = DTensor.from_local(grad.clone(), p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride())
+        norm = clipped_step(optimizers[0], list(models[0].parameters()), 1.0)
+        assert norm > 1.0 and not hasattr(optimizers[0], "grad_scale")
+        assert clip_grads_(list(models[1].parameters()), 1.0) == norm
+        optimizers[1].step()
+    worst = max(
+        (a.to_local() - b.to_local()).abs().max().item()
+        for a, b in zip(models[0].parameters(), models[1].parameters())
+        if a.numel()
+    )
+    print(f"max |difference| {worst:.3g}")
+    assert worst < 1e-6
