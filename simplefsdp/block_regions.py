@@ -43,6 +43,7 @@ import torch.nn as nn
 from simplefsdp.blocks import block_list
 from simplefsdp.moe.token_dispatch import TokenDispatcher
 from simplefsdp.param_access import REGION_SLOTS_ATTR, STATE_ATTR, WRAPPED_ATTR, is_wrapped
+from simplefsdp.wrap import is_simple_fsdp
 
 _READS_ATTR = "_simplefsdp_region_reads"  # the block's (module, parameter name) pairs, in slot order
 _REGION_CLASSES: dict[type, type] = {}
@@ -113,7 +114,7 @@ def compile_blocks_once(model: nn.Module, blocks: str | None = None) -> nn.Modul
     ValueError, before changing anything, for a model it cannot apply to (module docstring)."""
     if _region is None:
         raise ValueError("compile_blocks_once needs torch.compiler.nested_compile_region (torch >= 2.11)")
-    if not any(is_wrapped(m) for m in model.modules()):
+    if not is_simple_fsdp(model):
         raise ValueError("compile_blocks_once needs a model wrapped by simple_fsdp (call simple_fsdp first)")
     layers = block_list(model, blocks)
     prefix = blocks if blocks is not None else next(n for n, m in model.named_modules() if m is layers)

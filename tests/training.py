@@ -37,6 +37,7 @@ def wrapped_run(cfg, shape, names, ep: int = 1, *, ac=None, compile_options=None
     each block compiled once if ``blocks_once``, and compiled (fullgraph) when ``compiled`` or
     given ``compile_options``."""
     from simplefsdp import compile_blocks_once, simple_fsdp
+    from simplefsdp import compile_options as make_options
     from simplefsdp.activation_checkpoint import apply_activation_checkpointing
     from simplefsdp.models.tp_plan import apply_tensor_parallel
 
@@ -51,7 +52,7 @@ def wrapped_run(cfg, shape, names, ep: int = 1, *, ac=None, compile_options=None
     model = simple_fsdp(model, mesh, ep=ep, ep_chunks=ep_chunks, reshard_after_forward=reshard_after_forward)
     if blocks_once:
         compile_blocks_once(model)
-        compile_options = {**(compile_options or {}), "allow_buffer_reuse": False}
+        compile_options = {**make_options(blocks_once=True), **(compile_options or {})}
     compiled = compiled or compile_options is not None
     runner = torch.compile(model, fullgraph=True, options=compile_options) if compiled else model
     return (model, runner, *data_parallel_rank(tp))

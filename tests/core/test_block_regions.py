@@ -18,7 +18,7 @@ from torch.distributed.device_mesh import init_device_mesh
 import tests.training as T
 from simplefsdp import compile_blocks_once, simple_fsdp
 from simplefsdp.models.llama import cross_entropy_loss
-from simplefsdp.models.moe import MOE_CONFIGS, MoE, moe_transformer
+from simplefsdp.models.moe import MOE_CONFIGS
 from simplefsdp.param_access import REGION_SLOTS_ATTR
 from simplefsdp.train.data import rank_slice
 from simplefsdp.passes import SimpleFSDPPasses

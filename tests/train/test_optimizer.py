@@ -22,6 +22,22 @@ def _wrapped_moe():
     return simple_fsdp(T.build_model(MOE), init_device_mesh("cpu", (8,), mesh_dim_names=("dp_shard",)), ep=2)
 
 
+def _same_random_grads(models, gen: torch.Generator) -> None:
+    """Give both models' parameters one random gradient each, the same for both."""
+    for a, b in zip(models[0].parameters(), models[1].parameters()):
+        grad = torch.randn(a.to_local().shape, generator=gen)
+        for p in (a, b):
+            p.grad = DTensor.from_local(grad.clone(), p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride())
+
+
+def _largest_shard_difference(models) -> float:
+    return max(
+        (a.to_local() - b.to_local()).abs().max().item()
+        for a, b in zip(models[0].parameters(), models[1].parameters())
+        if a.numel()
+    )
+
+
 def test_one_param_group_per_mesh_and_placements(fake_world):
     model = _wrapped_moe()
     groups = make_optimizer(model, 1e-2).param_groups
@@ -39,17 +55,10 @@ def test_grouped_fused_adamw_matches_per_parameter_adamw(fake_world):
     optimizers = [make_optimizer(models[0], 1e-2), torch.optim.AdamW(models[1].parameters(), lr=1e-2, foreach=False)]
     gen = torch.Generator().manual_seed(0)
     for _ in range(3):
-        for (_, a), (_, b) in zip(models[0].named_parameters(), models[1].named_parameters()):
-            grad = torch.randn(a.to_local().shape, generator=gen)
-            for p in (a, b):
-                p.grad = DTensor.from_local(grad.clone(), p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride())
+        _same_random_grads(models, gen)
         for optimizer in optimizers:
             optimizer.step()
-    worst = max(
-        (a.to_local() - b.to_local()).abs().max().item()
-        for a, b in zip(models[0].parameters(), models[1].parameters())
-        if a.numel()
-    )
+    worst = _largest_shard_difference(models)
     print(f"max |difference| {worst:.3g}")
     assert worst < 1e-6
 
@@ -100,19 +109,12 @@ def _folded_clipping_body():
     optimizers = [make_optimizer(m, 1e-2) for m in models]
     gen = torch.Generator().manual_seed(0)
     for _ in range(3):
-        for (_, a), (_, b) in zip(models[0].named_parameters(), models[1].named_parameters()):
-            grad = torch.randn(a.to_local().shape, generator=gen)
-            for p in (a, b):
-                p.grad = DTensor.from_local(grad.clone(), p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride())
+        _same_random_grads(models, gen)
         norm = clipped_step(optimizers[0], list(models[0].parameters()), 1.0)
         assert norm > 1.0 and not hasattr(optimizers[0], "grad_scale")
         assert clip_grads_(list(models[1].parameters()), 1.0) == norm
         optimizers[1].step()
-    worst = max(
-        (a.to_local() - b.to_local()).abs().max().item()
-        for a, b in zip(models[0].parameters(), models[1].parameters())
-        if a.numel()
-    )
+    worst = _largest_shard_difference(models)
     next(world, None)
     return worst
 
