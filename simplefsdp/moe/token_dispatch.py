@@ -8,6 +8,8 @@ chunk's rows. The dispatcher:
 
 1. exchanges tokens-per-expert counts with one all-to-all for all chunks (``[chunks, E]`` int32
    per rank) and reads the split sizes to the host once;
+   Every rank makes the same number of chunks, empty ones included, whatever its token count,
+   so every rank issues the same collectives;
 2. dispatches every chunk's rows with an autograd all-to-all whose split sizes come from the
    counts, all of them before any expert runs;
 3. per chunk, in order: reorders the received rows (grouped by source rank, then expert) by
@@ -44,9 +46,13 @@ DEFAULT_EP_CHUNKS = 2  # token chunks per MoE layer with ep > 1 (simple_fsdp's e
 
 
 def token_chunks(tokens: int, chunks: int) -> list[tuple[int, int]]:
-    """``[start, end)`` of each of ``chunks`` contiguous, near-equal token ranges (earlier ones
-    take the extra token); fewer ranges when there are fewer tokens than chunks."""
-    chunks = max(1, min(chunks, tokens))
+    """``[start, end)`` of each of ``chunks`` contiguous, near-equal token ranges (later ones take
+    the extra token), empty ones included when there are fewer tokens than chunks.
+
+    Always ``chunks`` ranges: ranks may hold different numbers of tokens (a one-token generation
+    step, an empty last batch), and every rank must send counts of one size and run as many
+    all-to-alls as the others.
+    """
     bounds = [tokens * i // chunks for i in range(chunks + 1)]
     return list(zip(bounds[:-1], bounds[1:]))
 
