@@ -16,7 +16,8 @@ Three kinds of parameter are stored, each by its sharding (``store`` makes the p
   ``edp`` on dim 0 (a strided shard of the full tensor) or dim 1.
 
 Replicas must start equal, as DDP and FSDP2 make them: each shard is broadcast from the first
-rank of every mesh dim it is replicated over as it is stored (one broadcast per parameter and
+rank of every mesh dim it is replicated over as it is stored (for routed experts under tp, whose
+``[edp, ep]`` mesh leaves ``dp_replicate`` out, over that dim too) (one broadcast per parameter and
 replicate dim, in the model's parameter order on every rank).
 """
 
@@ -52,9 +53,13 @@ def _owned(local: torch.Tensor, device: torch.device) -> torch.Tensor:
     return torch.empty(local.shape, dtype=local.dtype, device=device).copy_(local)
 
 
-def _parameter(local, mesh, placements, like: torch.Tensor, requires_grad: bool) -> nn.Parameter:
-    """``local`` as this rank's shard of a DTensor parameter shaped like ``like``; replicas synced."""
+def _parameter(local, mesh, placements, like: torch.Tensor, requires_grad: bool, replicated_over=()) -> nn.Parameter:
+    """``local`` as this rank's shard of a DTensor parameter shaped like ``like``; replicas synced
+    over ``mesh``'s replicate dims and the 1-D meshes ``replicated_over`` (replicas outside ``mesh``)."""
     _sync_replicas(local, mesh, placements)
+    for replicas in replicated_over:
+        if replicas.size() > 1:
+            dist.broadcast(local, group=replicas.get_group(), group_src=0)
     dtensor = DTensor.from_local(
         local, mesh, placements, run_check=False, shape=like.shape, stride=like.stride()
     )
@@ -183,4 +188,6 @@ class ExpertSharding(_Sharding):
         edp = _StridedShard(0, split_factor=experts.ep) if self.fsdp_dim == 0 else Shard(self.fsdp_dim)
         placements = (Replicate(),) * (experts.mesh.ndim - 2) + (edp, Shard(0))
         local = _owned(self.part(param.detach()), self.device)
-        return _parameter(local, experts.mesh, placements, param, param.requires_grad)
+        # with tp the experts' mesh is [edp, ep] (ep borrows tp ranks): dp_replicate lies outside it
+        outside = (experts.replicate_mesh,) if experts.tp_mesh is not None and experts.replicate_mesh is not None else ()
+        return _parameter(local, experts.mesh, placements, param, param.requires_grad, outside)

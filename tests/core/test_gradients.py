@@ -87,25 +87,37 @@ def _gathered_in_full(model):
         return {n: getattr(model.get_submodule(n.rpartition(".")[0]), n.rpartition(".")[2]).clone() for n, _ in model.named_parameters()}
 
 
-def _replica_sync():
-    """Each rank builds the model from its own seed; after wrapping, replicas must be equal."""
-    out = {}
-    for name, shape, names, ep in (
-        ("replicate4", (4,), ("dp_replicate",), 1),
-        ("hsdp2x2", (2, 2), ("dp_replicate", "dp_shard"), 1),
-        ("hsdp2x2xep2", (2, 2), ("dp_replicate", "dp_shard"), 2),
-    ):
-        torch.manual_seed(100 + dist.get_rank())
-        from simplefsdp.models.moe import moe_transformer
+REPLICA_LAYOUTS = {  # every layout with dp_replicate > 1: name -> (mesh shape, dim names, ep)
+    "replicate4": ((4,), ("dp_replicate",), 1),
+    "hsdp2x2": ((2, 2), ("dp_replicate", "dp_shard"), 1),
+    "hsdp2x2xep2": ((2, 2), ("dp_replicate", "dp_shard"), 2),
+    "replicate2xtp2": ((2, 2), ("dp_replicate", "tp"), 1),
+    "hsdp2x1xtp2": ((2, 1, 2), ("dp_replicate", "dp_shard", "tp"), 1),
+    "hsdp2x1xtp2xep2": ((2, 1, 2), ("dp_replicate", "dp_shard", "tp"), 2),
+}
 
-        model = simple_fsdp(moe_transformer(MOE), init_device_mesh("cpu", shape, mesh_dim_names=names), ep=ep)
+
+def _replica_sync():
+    """Each rank builds the model from its own seed; after wrapping, the names of the parameters
+    whose local shards differ across the ``dp_replicate`` ranks (routed experts under tp too, whose
+    own mesh is ``[edp, ep]`` without that dim)."""
+    from simplefsdp.models.moe import moe_transformer
+    from simplefsdp.models.tp_plan import apply_tensor_parallel
+
+    out = {}
+    for name, (shape, names, ep) in REPLICA_LAYOUTS.items():
+        mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
+        torch.manual_seed(100 + dist.get_rank())
+        model = moe_transformer(MOE)
+        if "tp" in names:
+            model = apply_tensor_parallel(model, mesh["tp"])
+        model = simple_fsdp(model, mesh, ep=ep)
+        group = mesh["dp_replicate"].get_group()
         unequal = []
         for pname, p in model.named_parameters():
-            local = p.to_local().detach()
-            replicate = p.device_mesh.mesh_dim_names.index("dp_replicate")
-            group = p.device_mesh.get_group(replicate)
+            local = p.to_local().detach().contiguous()
             peers = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
-            dist.all_gather(peers, local.contiguous(), group=group)
+            dist.all_gather(peers, local, group=group)
             if not all(torch.equal(peers[0], q) for q in peers):
                 unequal.append(pname)
         out[name] = unequal
@@ -148,4 +160,4 @@ def test_gathered_with_writeback_gives_every_parameter_whole(run):
 
 def test_replicas_start_equal_whatever_each_rank_built():
     unequal = T.launch_once(_body, 4, "eager")["replica_sync"]
-    assert unequal == {"replicate4": [], "hsdp2x2": [], "hsdp2x2xep2": []}
+    assert unequal == {name: [] for name in REPLICA_LAYOUTS}
