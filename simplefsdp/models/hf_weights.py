@@ -69,6 +69,12 @@ class LoadedWeights:
 # the model side: each key's tensor, full shape and this rank's box
 
 
+def _uncompiled(model: nn.Module) -> nn.Module:
+    """The module ``torch.compile`` wrapped, or ``model`` itself: keys are the model's own, never
+    ``_orig_mod.``-prefixed (``from_pretrained`` would find none of them)."""
+    return model._orig_mod if isinstance(model, torch._dynamo.eval_frame.OptimizedModule) else model
+
+
 @dataclass(frozen=True)
 class _Entry:
     """One model key on this rank."""
@@ -316,17 +322,18 @@ def _plan_load(model: nn.Module, directory: str) -> tuple[_Headers, list[_Target
 
 def check_hf_weights(model: nn.Module, directory: str) -> None:
     """The checks :func:`load_hf_weights` makes first (headers only; ``model`` may be on the meta device)."""
-    _plan_load(model, directory)
+    _plan_load(_uncompiled(model), directory)
 
 
 @torch.no_grad()
 def load_hf_weights(model: nn.Module, directory: str) -> LoadedWeights:
-    """Fill ``model`` (wrapped by ``simple_fsdp``, or not) from the ``save_pretrained`` directory ``directory``.
+    """Fill ``model`` (wrapped by ``simple_fsdp``, or not; compiled, or not) from the ``save_pretrained`` directory ``directory``.
 
     Every rank calls it; no collective runs. Each rank reads the slices its shards hold and
     copies them in, cast to each tensor's dtype. Raises ``ValueError`` before changing anything
     when keys are missing or left over, or a shape differs.
     """
+    model = _uncompiled(model)
     headers, targets = _plan_load(model, directory)
     for target in targets:
         target.tensor.copy_(_read(headers, target, model))
@@ -377,7 +384,8 @@ def _full(entry: _Entry) -> torch.Tensor:
 
 
 def save_hf_weights(model: nn.Module, directory: str) -> None:
-    """Write ``model`` as a ``save_pretrained`` directory (safetensors) that ``from_pretrained`` reads.
+    """Write ``model`` (compiled, or not) as a ``save_pretrained`` directory (safetensors) that
+    ``from_pretrained`` reads.
 
     Every rank calls it (each parameter is all-gathered in turn). Keys of tied parameters that
     transformers drops when it saves are dropped too.
@@ -385,6 +393,7 @@ def save_hf_weights(model: nn.Module, directory: str) -> None:
     from safetensors.torch import save_file
     from transformers.core_model_loading import revert_weight_conversion
 
+    model = _uncompiled(model)
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
     entries = _model_entries(model)
     tied = set(getattr(model, "all_tied_weights_keys", None) or {})

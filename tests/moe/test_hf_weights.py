@@ -34,9 +34,11 @@ from tests import training as T
 from tests.moe.hf_families import FAMILIES
 
 # family/how: built on the meta device (simple_fsdp allocates, initializes with HF's own
-# _init_weights and shards one module at a time), wrapped by FSDP2 instead, or with tied
-# embeddings (HF saves one of the two names)
-LOADED = ("qwen3_moe", "mixtral", "deepseek_v3", "gpt_oss", "qwen3_moe/meta", "qwen3_moe/fsdp2", "qwen3_moe/tied")
+# _init_weights and shards one module at a time), wrapped by FSDP2 instead, with tied
+# embeddings (HF saves one of the two names), or compiled before it loads and saves (the
+# README's order: the keys must not gain torch.compile's "_orig_mod." prefix)
+LOADED = ("qwen3_moe", "mixtral", "deepseek_v3", "gpt_oss", "qwen3_moe/meta", "qwen3_moe/fsdp2", "qwen3_moe/tied",
+          "qwen3_moe/compiled")
 TOKENS = torch.arange(2 * 16).reshape(2, 16) % 97
 
 
@@ -62,12 +64,15 @@ def _body(root: str):
         how = run.partition("/")[2]
         model = _model(run, seed=1, device="meta" if how == "meta" else "cpu")  # other values than the saved model's
         model = fsdp2(model, mesh) if how == "fsdp2" else simple_fsdp(model, mesh, ep=2)
+        if how == "compiled":
+            model = torch.compile(model)  # never run: saving needs no compiled forward
         loaded = load_hf_weights(model, os.path.join(root, _saved_as(run)))
         reads = [None] * dist.get_world_size()
         dist.all_gather_object(reads, (loaded.elements_read, _local_elements(model)))
         state = T.full_state(model)
         with torch.no_grad():
-            logits = model(TOKENS).logits  # every rank the same tokens: non-persistent buffers count too
+            # every rank the same tokens: non-persistent buffers count too
+            logits = getattr(model, "_orig_mod", model)(TOKENS).logits
         save_hf_weights(model, os.path.join(root, "resaved", run.replace("/", "-")))
         out[run] = reads, state, logits
     return out
