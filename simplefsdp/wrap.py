@@ -122,11 +122,16 @@ def _check_flags(ep, ep_chunks, reshard_after_forward) -> int:
     return 1 if ep == 1 else ep_chunks or DEFAULT_EP_CHUNKS
 
 
+def _is_hf_model(model: nn.Module) -> bool:
+    """Whether ``model`` is a Hugging Face transformers ``PreTrainedModel`` (without importing transformers)."""
+    return any(c.__name__ == "PreTrainedModel" and c.__module__.startswith("transformers.") for c in type(model).__mro__)
+
+
 def _initializer(model: nn.Module, module: nn.Module):
     """How ``module``'s tensors are initialized once allocated: a Hugging Face model's own
     ``_init_weights(module)`` (what ``from_config`` runs on every module), else the module's
     ``reset_parameters()``; None when it has neither."""
-    if any(c.__name__ == "PreTrainedModel" and c.__module__.startswith("transformers.") for c in type(model).__mro__):
+    if _is_hf_model(model):
         return lambda: model._init_weights(module)
     reset = getattr(module, "reset_parameters", None)
     return reset if callable(reset) else None
@@ -346,5 +351,9 @@ def simple_fsdp(
             if buf is not None:
                 module._buffers[name] = buf.to(device)
     _install_root_hooks(model, state, mp_policy, reshard_after_forward)
+    if _is_hf_model(model):
+        # as transformers' own FSDP2 path marks it: generate() then keeps every rank stepping
+        # (synced_gpus) until all ranks' sequences end, since each step gathers on every rank
+        model._is_fsdp_managed_module = True
     passes.install(layout.group_names() | ({tokens.group_name} if tokens is not None else set()))
     return model
