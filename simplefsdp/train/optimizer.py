@@ -39,10 +39,11 @@ def make_optimizer(model: nn.Module, lr: float) -> torch.optim.Optimizer:
 
 def clipped_step(optimizer: torch.optim.Optimizer, params, max_norm: float, mark=lambda phase: None) -> torch.Tensor:
     """Clip the gradients of ``params`` to ``max_norm`` (0: no clipping) and step ``optimizer``;
-    returns the gradient norm before clipping. A fused optimizer applies the clipping inside its
-    step (module docstring); another gets its gradients scaled first. ``mark("clip")`` is called
-    once the norm (and any scaling) is done."""
-    if max_norm <= 0 or not optimizer.defaults.get("fused"):
+    returns the gradient norm before clipping. An optimizer whose every param group is fused
+    applies the clipping inside its step (module docstring); another (a group may set
+    ``fused=False`` over a fused default) gets its gradients scaled first. ``mark("clip")`` is
+    called once the norm (and any scaling) is done."""
+    if max_norm <= 0 or not all(group.get("fused") for group in optimizer.param_groups):
         norm = clip_grads_(params, max_norm)
         mark("clip")
         optimizer.step()

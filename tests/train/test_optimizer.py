@@ -130,3 +130,23 @@ def test_clipping_folded_into_the_fused_step_matches_scaling_first():
         worst = pool.apply(_folded_clipping_body)
     print(f"max |difference| {worst:.3g}")
     assert worst < 1e-6
+
+
+def test_clipping_with_a_group_that_is_not_fused_scales_first():
+    """A param group with ``fused=False`` under a fused default: ``clipped_step`` scales the
+    gradients first (the unfused kernel takes no ``grad_scale``), as clipping then stepping does."""
+    from simplefsdp.train.grad_norm import clip_grads_
+    from simplefsdp.train.optimizer import clipped_step
+
+    torch.manual_seed(0)
+    layers = [torch.nn.Linear(4, 4) for _ in range(2)]
+    layers[1].load_state_dict(layers[0].state_dict())
+    optimizers = [torch.optim.AdamW([{"params": [m.weight]}, {"params": [m.bias], "fused": False}], lr=1e-2, fused=True)
+                  for m in layers]
+    grads = [torch.randn(4, 4) * 10, torch.randn(4) * 10]
+    for m in layers:
+        m.weight.grad, m.bias.grad = (g.clone() for g in grads)
+    norm = clipped_step(optimizers[0], list(layers[0].parameters()), 1.0)
+    assert clip_grads_(list(layers[1].parameters()), 1.0) == norm > 1.0
+    optimizers[1].step()
+    assert all(torch.equal(a, b) for a, b in zip(layers[0].parameters(), layers[1].parameters()))
