@@ -20,8 +20,8 @@ their names in the checkpoint.
 :func:`save_hf_weights` writes the model back as a directory ``from_pretrained`` reads: the
 model's config, and one safetensors file per rank that owns keys, with the index naming each
 key's file. Each decoder block (and each other key) is owned by one rank, balanced by bytes;
-every parameter is gathered whole in turn (a collective on every rank) and kept by its owner
-only, which then reverts transformers' conversion (``revert_weight_conversion``) on what it
+every parameter is gathered whole in turn (a collective on every rank that holds the model: the
+ranks of its meshes, a sub-mesh's alone) and kept by its owner only, which then reverts transformers' conversion (``revert_weight_conversion``) on what it
 owns and writes its file. Values are saved in the stored dtype.
 
 transformers and safetensors are imported only when these functions are called.
@@ -387,14 +387,16 @@ def save_hf_weights(model: nn.Module, directory: str) -> None:
     """Write ``model`` (compiled, or not) as a ``save_pretrained`` directory (safetensors) that
     ``from_pretrained`` reads.
 
-    Every rank calls it (each parameter is all-gathered in turn). Keys of tied parameters that
-    transformers drops when it saves are dropped too.
+    Every rank that holds the model calls it (each parameter is all-gathered in turn); a model on
+    a sub-mesh is saved by that sub-mesh's ranks alone. Keys of tied parameters that transformers
+    drops when it saves are dropped too.
     """
     from safetensors.torch import save_file
     from transformers.core_model_loading import revert_weight_conversion
 
     model = _uncompiled(model)
-    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    ranks, group = _saving_ranks(model)
+    rank, world = ranks.index(dist.get_rank()) if ranks else 0, max(len(ranks), 1)
     entries = _model_entries(model)
     tied = set(getattr(model, "all_tied_weights_keys", None) or {})
     entries = {k: v for k, v in entries.items() if k not in tied}
@@ -416,7 +418,7 @@ def save_hf_weights(model: nn.Module, directory: str) -> None:
     gathered = [(names, sizes)]
     if world > 1:
         gathered = [None] * world
-        dist.all_gather_object(gathered, (names, sizes))
+        dist.all_gather_object(gathered, (names, sizes), group=group)
     if rank == 0:
         weight_map = {k: f for names, _ in gathered for k, f in names.items()}
         index = {"metadata": {"total_size": sum(s for _, s in gathered)}, "weight_map": dict(sorted(weight_map.items()))}
@@ -424,4 +426,24 @@ def save_hf_weights(model: nn.Module, directory: str) -> None:
             json.dump(index, f, indent=2)
         model.config.save_pretrained(directory)
     if world > 1:
-        dist.barrier()
+        dist.barrier(group=group)
+        if group is not None:
+            dist.destroy_process_group(group)
+
+
+def _saving_ranks(model: nn.Module) -> tuple[list[int], dist.ProcessGroup | None]:
+    """The ranks that hold ``model`` (every rank of its parameters' meshes; every rank of the world
+    for a model without DTensors), and a process group over them (None: the world's).
+
+    A model on a sub-mesh is saved by its own ranks only; the group is created by them alone
+    (``use_local_synchronization``), so the other ranks need not call in.
+    """
+    if not dist.is_initialized():
+        return [], None
+    meshes = {p.device_mesh for p in model.parameters() if isinstance(p, DTensor)}
+    ranks = sorted({r for mesh in meshes for r in mesh.mesh.flatten().tolist()}) or list(range(dist.get_world_size()))
+    if dist.get_rank() not in ranks:
+        raise ValueError(f"rank {dist.get_rank()} holds no part of the model (its meshes span ranks {ranks}); only those ranks save it")
+    if len(ranks) == dist.get_world_size() or len(ranks) == 1:
+        return ranks, None
+    return ranks, dist.new_group(ranks, use_local_synchronization=True)

@@ -177,3 +177,24 @@ def test_sliced_reads_equal_transformers_conversion_for_any_box(tmp_path):
                 (slice(3, 4), slice(4, 6), slice(1, 4)), (slice(2, 2), slice(0, 6), slice(0, 5))]:
         target = _Target("mlp.experts.gate_up_proj", None, whole.shape, box, sources, converter)
         assert torch.equal(_read(headers, target, model), whole[box]), box
+
+
+def _sub_mesh_body(directory: str):
+    """Ranks 0 and 1 hold and save a model on their own mesh; ranks 2 and 3 do other work."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    mesh = DeviceMesh("cpu", [0, 1], mesh_dim_names=("dp_shard",))  # every rank builds it (its groups)
+    if dist.get_rank() < 2:
+        save_hf_weights(simple_fsdp(_model("qwen3_moe", seed=0), mesh), directory)
+    dist.barrier()  # ranks 2 and 3 reach this without saving
+    return dist.get_rank()
+
+
+def test_a_model_on_a_sub_mesh_is_saved_by_its_own_ranks(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    assert T.launch_once(_sub_mesh_body, 4, str(tmp_path)) == 0
+    reference = _model("qwen3_moe", seed=0).state_dict()
+    back = AutoModelForCausalLM.from_pretrained(tmp_path).state_dict()
+    assert back.keys() == reference.keys() and all(torch.equal(back[k], reference[k]) for k in reference)
+    assert len(list(tmp_path.glob("model-*.safetensors"))) == 2  # each of the 2 ranks wrote its share
