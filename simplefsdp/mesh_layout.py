@@ -18,6 +18,7 @@ left over), in :class:`ExpertLayout`; everything else stays on the dense dp mesh
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch.distributed as dist
@@ -71,7 +72,11 @@ class ExpertLayout:
 
 @dataclass(frozen=True)
 class DataParallelLayout:
-    """The data-parallel part of a mesh and the placements a parameter takes on it."""
+    """The data-parallel part of a mesh and the placements a parameter takes on it.
+
+    ``experts``, the sparse mesh of ``ep > 1``, is built on first use: building it creates process
+    groups, which must wait until every check has passed.
+    """
 
     mode: str
     mesh: DeviceMesh  # the whole mesh given to simple_fsdp
@@ -79,7 +84,12 @@ class DataParallelLayout:
     dp_dims: tuple[str, ...]
     dim_meshes: tuple[DeviceMesh, ...]  # the 1-D mesh of each dp dim
     tp_mesh: DeviceMesh | None
-    experts: ExpertLayout | None = None
+    dim_names: tuple[str, ...] = ()  # every mesh dim's role, tp included
+    ep: int = 1
+
+    @functools.cached_property
+    def experts(self) -> ExpertLayout | None:
+        return _expert_layout(self.mesh, self.dim_names, self.ep) if self.ep > 1 else None
 
     @property
     def shard(self) -> tuple[Placement, ...]:
@@ -171,18 +181,29 @@ def _unflatten(mesh: DeviceMesh, dim: int, sizes: tuple[int, ...], names: tuple[
     return DeviceMesh(mesh.device_type, mesh.mesh.reshape(shape), mesh_dim_names=tuple(all_names))
 
 
-def _expert_layout(mesh: DeviceMesh, dims: tuple[str, ...], ep: int) -> ExpertLayout:
-    if DP_SHARD not in dims:
-        raise ValueError(f"ep={ep} needs a {DP_SHARD!r} mesh dim to split into edp x ep; the mesh has {dims}")
+def _split_dims(mesh: DeviceMesh, dims: tuple[str, ...]) -> tuple[tuple[str, ...], int]:
+    """The dims that ``edp x ep`` splits (``dp_shard``, with tp ``dp_shard, tp``) and their degree."""
     split = (DP_SHARD, TP) if TP in dims else (DP_SHARD,)
     degree = 1
     for d in split:
         degree *= mesh.size(dims.index(d))
+    return split, degree
+
+
+def _check_expert_room(mesh: DeviceMesh, dims: tuple[str, ...], ep: int) -> None:
+    """ValueError unless ``ep`` splits the ``dp_shard`` (``x tp``) degree; creates no process group."""
+    if DP_SHARD not in dims:
+        raise ValueError(f"ep={ep} needs a {DP_SHARD!r} mesh dim to split into edp x ep; the mesh has {dims}")
+    split, degree = _split_dims(mesh, dims)
     what = " x ".join(split)
     if ep > degree:
         raise ValueError(f"the mesh has no room for ep={ep}: the {what} degree is {degree}")
     if degree % ep:
         raise ValueError(f"ep={ep} does not divide the {what} degree {degree}")
+
+
+def _expert_layout(mesh: DeviceMesh, dims: tuple[str, ...], ep: int) -> ExpertLayout:
+    split, degree = _split_dims(mesh, dims)
     replicate = mesh[DP_REPLICATE] if DP_REPLICATE in dims else None
     if TP not in dims:
         sparse = _unflatten(mesh, dims.index(DP_SHARD), (degree // ep, ep), ("edp", "ep"))
@@ -193,7 +214,8 @@ def _expert_layout(mesh: DeviceMesh, dims: tuple[str, ...], ep: int) -> ExpertLa
 
 
 def resolve_layout(mesh: DeviceMesh, mode: str | None, ep: int = 1) -> DataParallelLayout:
-    """Check ``mesh``, ``mode`` and ``ep``; return the data-parallel layout (ValueError if they don't fit)."""
+    """Check ``mesh``, ``mode`` and ``ep``; return the data-parallel layout (ValueError if they
+    don't fit). Creates no process group: the expert mesh is built when ``experts`` is first read."""
     if not isinstance(mesh, DeviceMesh):
         raise ValueError(f"mesh must be a DeviceMesh; got {type(mesh).__name__}")
     if mode is not None and mode not in MODE_DIMS:
@@ -210,9 +232,10 @@ def resolve_layout(mesh: DeviceMesh, mode: str | None, ep: int = 1) -> DataParal
         raise ValueError(
             f"mode {mode!r} needs data-parallel mesh dims {MODE_DIMS[mode]}; the mesh has {dp_dims}"
         )
-    experts = _expert_layout(mesh, names, ep) if ep > 1 else None
+    if ep > 1:
+        _check_expert_room(mesh, names, ep)
     if mesh.mesh_dim_names is None:
-        return DataParallelLayout(mode, mesh, mesh, dp_dims, (mesh,), None, experts)
+        return DataParallelLayout(mode, mesh, mesh, dp_dims, (mesh,), None, names, ep)
     dp_mesh = mesh[dp_dims] if len(dp_dims) > 1 else mesh[dp_dims[0]]
     tp_mesh = mesh[TP] if TP in names else None
-    return DataParallelLayout(mode, mesh, dp_mesh, dp_dims, tuple(mesh[d] for d in dp_dims), tp_mesh, experts)
+    return DataParallelLayout(mode, mesh, dp_mesh, dp_dims, tuple(mesh[d] for d in dp_dims), tp_mesh, names, ep)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import re
 from dataclasses import dataclass
 
 import torch
@@ -157,23 +158,37 @@ def _mesh_device(layout: DataParallelLayout) -> torch.device:
     return torch.device(device_type, handle.current_device())
 
 
+# a router's own parameter (``gate``, ``router``, ``gate_weight``, ``router_bias`` ...; not the
+# experts' ``gate_up_proj`` or ``gate_proj``): it scores every token, so it cannot be split by expert
+_ROUTER_NAME = re.compile(r"(^|_)(gate|router)(_weight|_bias)?$")
+
+
 def _routed_experts(model: nn.Module, layout: DataParallelLayout, ep: int) -> dict[nn.Module, int]:
-    """The routed-expert modules to shard over ep, with their FSDP dim (ValueError if unfit)."""
-    if layout.experts is None:
+    """The routed-expert modules to shard over ep, with their FSDP dim (ValueError if unfit).
+
+    Every check runs before the expert mesh is first read (``layout.experts`` creates its groups).
+    """
+    if ep == 1:
         return {}
-    found = {}
+    found = []
     for name, module in model.named_modules():
         if not is_routed_experts(module):
             continue
         if module.num_experts % ep:
             raise ValueError(f"{name}: num_experts={module.num_experts} is not divisible by ep={ep}")
         for pname, param in module.named_parameters(recurse=False):
+            if _ROUTER_NAME.search(pname):
+                raise ValueError(
+                    f"{name}.{pname}: a router parameter inside the routed-experts module would be split "
+                    "over ep by expert; make the router a sibling module (as Hugging Face models do), "
+                    "or a submodule, whose parameters stay on the dense mesh"
+                )
             if param.shape[0] != module.num_experts:
                 raise ValueError(
                     f"{name}.{pname}: routed-expert parameters stack experts in dim 0 "
                     f"(expected {module.num_experts}, got shape {tuple(param.shape)})"
                 )
-        found[module] = layout.experts.fsdp_dim(module.num_experts)
+        found.append(module)
     if not found:
         unrecognised = unrecognised_experts(model)
         raise ValueError(
@@ -181,7 +196,7 @@ def _routed_experts(model: nn.Module, layout: DataParallelLayout, ep: int) -> di
             "`expert_parallel` attribute, or Hugging Face experts decorated with `@use_experts_implementation`)"
             + (f"; these experts follow neither contract: {', '.join(unrecognised[:3])}" if unrecognised else "")
         )
-    return found
+    return {module: layout.experts.fsdp_dim(module.num_experts) for module in found}
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,6 @@
 """Bad input to simple_fsdp raises a ValueError that names what is wrong, before any collective,
-and leaves the model as it was: the same classes, the same parameter objects, the same values."""
+and leaves the model as it was: the same classes, the same parameter objects, the same values;
+and no process group created (the expert mesh's groups come after every check)."""
 
 from __future__ import annotations
 
@@ -23,11 +24,18 @@ def _state(model):
     ]
 
 
-def _expect_error(match, model=None, mesh=None, **kwargs):
+def _process_groups() -> int:
+    return len(torch.distributed.distributed_c10d._world.pg_map)
+
+
+def expect_error(match, model=None, mesh=None, **kwargs):
+    """``simple_fsdp(model, mesh, **kwargs)`` raises a ValueError matching ``match`` and changes nothing."""
     model = model if model is not None else FeedForward(16, 32)
-    before = _state(model)
+    mesh = mesh if mesh is not None else _mesh()
+    before, groups = _state(model), _process_groups()
     with pytest.raises(ValueError, match=match):
-        simple_fsdp(model, mesh if mesh is not None else _mesh(), **kwargs)
+        simple_fsdp(model, mesh, **kwargs)
+    assert _process_groups() == groups
     assert not is_simple_fsdp(model)
     for (name, cls, params), (_, cls_after, params_after) in zip(before, _state(model), strict=True):
         assert cls is cls_after, name
@@ -38,13 +46,13 @@ def _expect_error(match, model=None, mesh=None, **kwargs):
 
 
 def test_unknown_mode(fake_world):
-    _expect_error(r"unknown mode 'zero3'", mode="zero3")
+    expect_error(r"unknown mode 'zero3'", mode="zero3")
 
 
 def test_mode_that_does_not_fit_the_mesh(fake_world):
-    _expect_error(r"mode 'hybrid_shard' needs a mesh with dims", mode="hybrid_shard", mesh=init_device_mesh("cpu", (8,)))
-    _expect_error(r"mode 'replicate' needs data-parallel mesh dims \('dp_replicate',\)", mode="replicate")
-    _expect_error(
+    expect_error(r"mode 'hybrid_shard' needs a mesh with dims", mode="hybrid_shard", mesh=init_device_mesh("cpu", (8,)))
+    expect_error(r"mode 'replicate' needs data-parallel mesh dims \('dp_replicate',\)", mode="replicate")
+    expect_error(
         r"mode 'fully_shard' needs data-parallel mesh dims \('dp_shard',\); the mesh has \('dp_replicate', 'dp_shard'\)",
         mode="fully_shard",
         mesh=_mesh((2, 4), ("dp_replicate", "dp_shard")),
@@ -52,14 +60,14 @@ def test_mode_that_does_not_fit_the_mesh(fake_world):
 
 
 def test_mesh_dims_not_named_as_expected(fake_world):
-    _expect_error(r"mesh dim 'data' is not one of", mesh=_mesh((8,), ("data",)))
-    _expect_error(r"a 2-D mesh needs mesh_dim_names", mesh=init_device_mesh("cpu", (2, 4)))
-    _expect_error(r"ordered as", mesh=_mesh((4, 2), ("dp_shard", "dp_replicate")))
-    _expect_error(r"name no data-parallel dim", mesh=_mesh((8,), ("tp",)))
+    expect_error(r"mesh dim 'data' is not one of", mesh=_mesh((8,), ("data",)))
+    expect_error(r"a 2-D mesh needs mesh_dim_names", mesh=init_device_mesh("cpu", (2, 4)))
+    expect_error(r"ordered as", mesh=_mesh((4, 2), ("dp_shard", "dp_replicate")))
+    expect_error(r"name no data-parallel dim", mesh=_mesh((8,), ("tp",)))
 
 
 def test_not_a_mesh(fake_world):
-    _expect_error(r"mesh must be a DeviceMesh; got tuple", mesh=(8,))
+    expect_error(r"mesh must be a DeviceMesh; got tuple", mesh=(8,))
 
 
 def test_already_wrapped(fake_world):
@@ -73,7 +81,7 @@ def test_already_wrapped_by_fully_shard(fake_world):
 
     model = nn.Sequential(FeedForward(16, 32))
     fully_shard(model[0], mesh=_mesh())
-    _expect_error(r"module '0' is already wrapped by fully_shard", model=model)
+    expect_error(r"module '0' is already wrapped by fully_shard", model=model)
 
 
 def test_meta_parameter_without_init_path(fake_world):
@@ -83,33 +91,33 @@ def test_meta_parameter_without_init_path(fake_world):
             self.scale = nn.Parameter(torch.empty(4, device="meta"))
 
     model = nn.Sequential(nn.Linear(4, 4), NoInit())
-    _expect_error(r"parameter '1.scale' is on the meta device and NoInit has no reset_parameters", model=model)
+    expect_error(r"parameter '1.scale' is on the meta device and NoInit has no reset_parameters", model=model)
 
 
 def test_bad_mixed_precision_policy(fake_world):
-    _expect_error(r"mp_policy must be a torch.distributed.fsdp.MixedPrecisionPolicy", mp_policy={"param_dtype": torch.bfloat16})
+    expect_error(r"mp_policy must be a torch.distributed.fsdp.MixedPrecisionPolicy", mp_policy={"param_dtype": torch.bfloat16})
     for dtype in (torch.int8, torch.float8_e4m3fn):
-        _expect_error(
+        expect_error(
             rf"mp_policy.param_dtype must be one of .*float8 needs scaled matmuls.*got {dtype}",
             mp_policy=MixedPrecisionPolicy(param_dtype=dtype),
         )
-    _expect_error(r"mp_policy.reduce_dtype must be one of", mp_policy=MixedPrecisionPolicy(reduce_dtype=torch.int32))
+    expect_error(r"mp_policy.reduce_dtype must be one of", mp_policy=MixedPrecisionPolicy(reduce_dtype=torch.int32))
 
 
 def test_bad_ep_degree(fake_world):
-    _expect_error(r"ep must be a positive int; got 0", ep=0)
-    _expect_error(r"ep must be a positive int; got True", ep=True)
+    expect_error(r"ep must be a positive int; got 0", ep=0)
+    expect_error(r"ep must be a positive int; got True", ep=True)
 
 
 def test_bad_ep_chunks(fake_world):
-    _expect_error(r"ep_chunks must be a positive int \(1: no chunking\); got 0", ep=2, ep_chunks=0)
-    _expect_error(r"ep_chunks must be a positive int \(1: no chunking\); got 2.0", ep=2, ep_chunks=2.0)
-    _expect_error(r"ep_chunks=2 needs ep > 1: without expert parallelism there is no all-to-all", ep_chunks=2)
+    expect_error(r"ep_chunks must be a positive int \(1: no chunking\); got 0", ep=2, ep_chunks=0)
+    expect_error(r"ep_chunks must be a positive int \(1: no chunking\); got 2.0", ep=2, ep_chunks=2.0)
+    expect_error(r"ep_chunks=2 needs ep > 1: without expert parallelism there is no all-to-all", ep_chunks=2)
 
 
 def test_reshard_after_forward_must_be_a_bool(fake_world):
     for value in (2, "yes", None):
-        _expect_error(rf"reshard_after_forward must be True or False .*got {value!r}", reshard_after_forward=value)
+        expect_error(rf"reshard_after_forward must be True or False .*got {value!r}", reshard_after_forward=value)
 
 
 def test_zero_dim_parameter_on_a_sharded_mesh(fake_world):
@@ -119,7 +127,7 @@ def test_zero_dim_parameter_on_a_sharded_mesh(fake_world):
             self.lin = nn.Linear(4, 4)
             self.scale = nn.Parameter(torch.tensor(2.0))
 
-    _expect_error(r"parameter 'scale' is 0-dim and fully_shard shards dim 0; store it with shape \[1\]", model=Scale())
+    expect_error(r"parameter 'scale' is 0-dim and fully_shard shards dim 0; store it with shape \[1\]", model=Scale())
 
 
 def test_meta_check_runs_before_any_module_is_materialized(fake_world):
@@ -129,7 +137,7 @@ def test_meta_check_runs_before_any_module_is_materialized(fake_world):
             self.scale = nn.Parameter(torch.empty(4, device="meta"))
 
     model = nn.Sequential(nn.Linear(4, 4, device="meta"), NoInit())
-    _expect_error(r"parameter '1.scale' is on the meta device", model=model)
+    expect_error(r"parameter '1.scale' is on the meta device", model=model)
     assert model[0].weight.is_meta
 
 
@@ -139,7 +147,7 @@ def test_tp_plan_that_tp_does_not_divide(fake_world):
     mesh = _mesh((4, 2), ("dp_shard", "tp"))
     model = nn.Sequential(nn.Linear(4, 5), nn.Linear(5, 4))
     parallelize_module(model, mesh["tp"], {"0": ColwiseParallel()})
-    _expect_error(r"parameter '0.weight': tp=2 does not divide dim 0 of shape \(5, 4\)", model=model, mesh=mesh)
+    expect_error(r"parameter '0.weight': tp=2 does not divide dim 0 of shape \(5, 4\)", model=model, mesh=mesh)
 
 
 def test_global_state_changes_only_as_documented(fake_world):

@@ -228,13 +228,23 @@ def test_ep_layout_runs_twice_from_one_shared_cache_dir(tmp_path, monkeypatch):
     assert first == second and all(losses == first[0] for losses in first)
 
 
-def _expect_error(match, mesh_shape=(8,), names=("dp_shard",), ep=2, cfg=MOE):
-    with pytest.raises(ValueError, match=match):
-        simple_fsdp(T.build_model(cfg), init_device_mesh("cpu", mesh_shape, mesh_dim_names=names), ep=ep)
+def _expect_error(match, mesh_shape=(8,), names=("dp_shard",), ep=2, cfg=MOE, model=None):
+    """The error, with the model untouched and no process group created (``tests.core.test_errors``)."""
+    from tests.core.test_errors import expect_error
+
+    model = model if model is not None else T.build_model(cfg)
+    expect_error(match, model, init_device_mesh("cpu", mesh_shape, mesh_dim_names=names), ep=ep)
 
 
 def test_num_experts_not_divisible_by_ep(fake_world):
     _expect_error(r"layers.1.feed_forward.experts: num_experts=2 is not divisible by ep=4", ep=4, cfg=MOE_FEW)
+
+
+def test_a_router_parameter_inside_the_experts_is_refused_by_name(fake_world):
+    model = T.build_model(MOE)
+    experts = model.layers[1].feed_forward.experts
+    experts.gate_weight = torch.nn.Parameter(torch.randn(MOE.num_experts, MOE.dim))  # [E, dim]: stacks like an expert
+    _expect_error(r"layers\.1\.feed_forward\.experts\.gate_weight: a router parameter inside the routed-experts module", model=model)
 
 
 def test_ep_must_divide_dp_shard(fake_world):
