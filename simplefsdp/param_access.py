@@ -44,6 +44,7 @@ import torch.nn as nn
 from torch.autograd import Variable
 from torch.distributed.tensor import DTensor
 
+from simplefsdp.generated_classes import generated_class
 from simplefsdp.param_gather import ParamGather
 
 WRAPPED_ATTR = "_simplefsdp"
@@ -146,15 +147,19 @@ def _gathered_property(name: str) -> property:
     return property(read)
 
 
+def swapped_class(original: type, names: tuple[str, ...]) -> type:
+    """The subclass of ``original`` whose parameters ``names`` read through the wrapping (one per
+    key; it pickles as this call, :mod:`simplefsdp.generated_classes`)."""
+    key = (original, names)
+    if key not in _SWAPPED_CLASSES:
+        props = {name: _gathered_property(name) for name in names}
+        _SWAPPED_CLASSES[key] = generated_class((swapped_class, key), f"SimpleFSDP{original.__name__}", original, props)
+    return _SWAPPED_CLASSES[key]
+
+
 def attach(module: nn.Module, wrapped: WrappedParams, state: ForwardState) -> None:
     """Make ``module``'s parameters read through ``wrapped`` (class swap) and count its forwards in ``state``."""
-    names = tuple(wrapped.gathers)
-    key = (type(module), names)
-    cls = _SWAPPED_CLASSES.get(key)
-    if cls is None:
-        props = {name: _gathered_property(name) for name in names}
-        cls = type(f"SimpleFSDP{type(module).__name__}", (type(module),), props)
-        _SWAPPED_CLASSES[key] = cls
+    cls = swapped_class(type(module), tuple(wrapped.gathers))
     setattr(module, WRAPPED_ATTR, wrapped)
     module.__class__ = cls
     count_forwards(module, state)

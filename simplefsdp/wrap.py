@@ -234,36 +234,39 @@ def _plan_parameter(param, expert_fsdp_dim: int | None, layout: DataParallelLayo
     return settings.gather(layout.gather_steps), sharding.DenseSharding(layout, device)
 
 
+def _cast(dtype: torch.dtype, tree):
+    """``tree`` with every floating-point tensor cast to ``dtype``."""
+    return tree_map_only(torch.Tensor, lambda t: t.to(dtype) if t.is_floating_point() else t, tree)
+
+
+class _RootHooks:
+    """The root's forward hooks: cast inputs and outputs as ``mp_policy`` asks; pack saved tensors
+    for eager resharding. An object of a module-level class, so ``torch.save(model)`` pickles it."""
+
+    def __init__(self, mp_policy: MixedPrecisionPolicy, reshard_after_forward: bool):
+        self.input_dtype = mp_policy.param_dtype if mp_policy.cast_forward_inputs else None
+        self.output_dtype = mp_policy.output_dtype
+        self.reshard_after_forward = reshard_after_forward
+        self.open = contextlib.ExitStack()
+
+    def pre(self, module, args, kwargs):
+        if self.reshard_after_forward and not torch.compiler.is_compiling():
+            self.open.enter_context(resharding_saved_tensors())
+        return None if self.input_dtype is None else _cast(self.input_dtype, (args, kwargs))
+
+    def post(self, module, args, kwargs, output):
+        self.open.close()
+        return None if self.output_dtype is None else _cast(self.output_dtype, output)
+
+
 def _install_root_hooks(
     model: nn.Module, state: ForwardState, mp_policy: MixedPrecisionPolicy, reshard_after_forward: bool
 ) -> None:
-    """Count the root's forward (parameters read gathered inside it); cast root inputs and outputs
-    as ``mp_policy`` asks; pack saved tensors for eager resharding."""
+    """Count the root's forward (parameters read gathered inside it), then :class:`_RootHooks`."""
     count_forwards(model, state, root=True)
-    cast_inputs = mp_policy.cast_forward_inputs and mp_policy.param_dtype is not None
-    output_dtype = mp_policy.output_dtype
-    exit_stack = contextlib.ExitStack()
-
-    def _cast(dtype, tree):
-        return tree_map_only(
-            torch.Tensor, lambda t: t.to(dtype) if t.is_floating_point() else t, tree
-        )
-
-    def pre_hook(module, args, kwargs):
-        if reshard_after_forward and not torch.compiler.is_compiling():
-            exit_stack.enter_context(resharding_saved_tensors())
-        if cast_inputs:
-            return _cast(mp_policy.param_dtype, (args, kwargs))
-        return None
-
-    def post_hook(module, args, kwargs, output):
-        exit_stack.close()
-        if output_dtype is not None:
-            return _cast(output_dtype, output)
-        return None
-
-    model.register_forward_pre_hook(pre_hook, with_kwargs=True)
-    model.register_forward_hook(post_hook, with_kwargs=True, always_call=True)
+    hooks = _RootHooks(mp_policy, reshard_after_forward)
+    model.register_forward_pre_hook(hooks.pre, with_kwargs=True)
+    model.register_forward_hook(hooks.post, with_kwargs=True, always_call=True)
 
 
 def simple_fsdp(

@@ -36,6 +36,7 @@ import inspect
 import torch
 import torch.nn as nn
 
+from simplefsdp.generated_classes import generated_class
 from simplefsdp.moe.token_dispatch import TokenDispatcher, by_expert
 
 # what @use_experts_implementation sets on every instance of a decorated experts class
@@ -101,7 +102,15 @@ def _routing_arguments(names: tuple[str, str, str], args, kwargs):
     return tuple(values[n] for n in names)
 
 
-def _expert_parallel_class(hf_class: type) -> type:
+def expert_parallel_class(hf_class: type) -> type:
+    """The subclass of ``hf_class`` whose forward dispatches tokens (one per class; it pickles as
+    this call, :mod:`simplefsdp.generated_classes`)."""
+    if hf_class not in _EP_CLASSES:
+        _EP_CLASSES[hf_class] = _make_expert_parallel_class(hf_class)
+    return _EP_CLASSES[hf_class]
+
+
+def _make_expert_parallel_class(hf_class: type) -> type:
     hf_forward = hf_class.forward
     # parameter names after self: (hidden_states, top_k_index, top_k_weights) in most families,
     # (hidden_states, router_indices, routing_weights) in gpt-oss
@@ -131,13 +140,10 @@ def _expert_parallel_class(hf_class: type) -> type:
         weighted = slots.view(*top_k_index.shape, hidden.shape[-1]) * top_k_weights.unsqueeze(-1)
         return weighted.sum(1).to(hidden.dtype)
 
-    return type(f"ExpertParallel{hf_class.__name__}", (hf_class,), {"forward": forward})
+    return generated_class((expert_parallel_class, (hf_class,)), f"ExpertParallel{hf_class.__name__}", hf_class, {"forward": forward})
 
 
 def make_expert_parallel(module: nn.Module, dispatcher: TokenDispatcher) -> None:
     """Route ``module``'s tokens through ``dispatcher`` (class swap; the weights stay as they are)."""
     module.expert_parallel = dispatcher
-    hf_class = type(module)
-    if hf_class not in _EP_CLASSES:
-        _EP_CLASSES[hf_class] = _expert_parallel_class(hf_class)
-    module.__class__ = _EP_CLASSES[hf_class]
+    module.__class__ = expert_parallel_class(type(module))

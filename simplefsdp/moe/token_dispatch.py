@@ -131,6 +131,16 @@ class TokenDispatcher:
         self.chunks = chunks
         self.group = group if group is not None else ep_mesh.get_group()
 
+    def __getstate__(self):
+        """Pickled (``torch.save(model)``) with its token group by name, as a DeviceMesh keeps its
+        groups: it unpickles in a process where that group exists (the same job's ranks)."""
+        return {**self.__dict__, "group": self.group.group_name}
+
+    def __setstate__(self, state):
+        from torch.distributed.distributed_c10d import _resolve_process_group
+
+        self.__dict__.update(state, group=_resolve_process_group(state["group"]))
+
     def _tp_share(self, x: torch.Tensor, counts: torch.Tensor):
         """This tp rank's slice of the rows (sorted by expert) and its tokens per expert."""
         experts_of_rows = torch.repeat_interleave(
