@@ -23,6 +23,7 @@ otherwise save every cast weight for backward (at world 1, about 0.3 GiB per gpu
 from __future__ import annotations
 
 import logging
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -161,7 +162,9 @@ class _DivideGrad(torch.autograd.Function):
         return grad / ctx.divisor, None
 
 
-_GATHERS: dict = {}
+# weak values: an entry lives as long as a wrapped module uses its gather, so the cache keeps no
+# mesh (nor its process groups) alive after the model is gone
+_GATHERS: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 
 
 def _group_identity(value):
@@ -184,6 +187,7 @@ def _group_identity(value):
 def param_gather(*args, **kwargs) -> ParamGather:
     """One shared :class:`ParamGather` per configuration and process groups, so torch.compile sees few objects."""
     key = _group_identity((args, tuple(sorted(kwargs.items()))))
-    if key not in _GATHERS:
-        _GATHERS[key] = ParamGather(*args, **kwargs)
-    return _GATHERS[key]
+    gather = _GATHERS.get(key)
+    if gather is None:
+        gather = _GATHERS[key] = ParamGather(*args, **kwargs)
+    return gather

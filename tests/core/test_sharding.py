@@ -103,3 +103,19 @@ def test_a_later_world_gathers_as_its_own_rank():
             assert meshes and all(
                 list(mesh.get_coordinate()) == (mesh.mesh == rank).nonzero()[0].tolist() for mesh in meshes
             ), rank
+
+
+def test_shared_gathers_die_with_their_model(fake_world):
+    """The process-wide cache of shared gathers holds them weakly: once the model is gone, none of
+    its gathers, nor the meshes and process groups they name, stay alive through it."""
+    import gc
+
+    from simplefsdp import param_gather
+
+    before = len(param_gather._GATHERS)
+    mesh = init_device_mesh("cpu", (2, 4), mesh_dim_names=("dp_replicate", "dp_shard"))
+    model = simple_fsdp(moe_transformer(MOE_CONFIGS["debug"]), mesh)
+    assert len(param_gather._GATHERS) > before
+    del model
+    gc.collect()
+    assert len(param_gather._GATHERS) == before
