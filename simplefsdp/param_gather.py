@@ -62,7 +62,13 @@ class _QuietContextFnNotice(logging.Filter):
         return "context_fn is passed to torch.utils.checkpoint" not in record.getMessage()
 
 
-logging.getLogger("torch._higher_order_ops.wrap").addFilter(_QuietContextFnNotice())
+_QUIET_CONTEXT_FN_NOTICE = _QuietContextFnNotice()
+
+
+def quiet_context_fn_notice() -> None:
+    """Drop that notice from torch's logger from now on (process-wide; once is enough). Called by
+    ``simple_fsdp`` when it reshards after forward: importing simplefsdp changes no logger."""
+    logging.getLogger("torch._higher_order_ops.wrap").addFilter(_QUIET_CONTEXT_FN_NOTICE)
 
 
 @dataclass(frozen=True)

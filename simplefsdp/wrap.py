@@ -30,7 +30,7 @@ from simplefsdp.mesh_layout import DataParallelLayout, resolve_layout
 from simplefsdp.moe.routed_experts import is_routed_experts, set_dispatcher, unrecognised_experts
 from simplefsdp.moe.token_dispatch import DEFAULT_EP_CHUNKS, TokenDispatcher, token_group
 from simplefsdp.param_access import ForwardState, WrappedParams, attach, count_forwards, is_wrapped
-from simplefsdp.param_gather import ParamGather, param_gather
+from simplefsdp.param_gather import ParamGather, param_gather, quiet_context_fn_notice
 
 _COMPUTE_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -362,6 +362,8 @@ def simple_fsdp(
                 state.tied.setdefault(wrapped.keys[name], (module, name))
     if routed:  # dispatch split sizes become unbacked symbolic sizes, not graph breaks
         torch._dynamo.config.capture_scalar_outputs = True
+    if reshard_after_forward:
+        quiet_context_fn_notice()
     for module in model.modules():  # buffers follow the parameters to the mesh's device
         if not any(p is not None for p in module._parameters.values()):
             _materialize(model, module, device)  # a module of meta buffers only

@@ -612,3 +612,19 @@ def test_gloo_guard_keeps_one_collective_in_flight():
         "all_gather_into_tensor_coalesced[world] float32", "wait all_gather_into_tensor_coalesced[world]",
         "wait all_gather_into_tensor_coalesced[world]", "all_gather_into_tensor[world] float32",
     ]
+
+
+def test_importing_simplefsdp_changes_no_global_state():
+    """A fresh interpreter: importing simplefsdp (and its passes) leaves torch's loggers, Inductor's
+    post-grad pass and Dynamo's scalar capture as they were; ``simple_fsdp`` is what sets them."""
+    import subprocess
+    import sys
+
+    code = (
+        "import logging, torch, torch._inductor.config as ic\n"
+        "before = (ic.post_grad_custom_post_pass, torch._dynamo.config.capture_scalar_outputs)\n"
+        "import simplefsdp, simplefsdp.passes\n"
+        "assert logging.getLogger('torch._higher_order_ops.wrap').filters == []\n"
+        "assert (ic.post_grad_custom_post_pass, torch._dynamo.config.capture_scalar_outputs) == before\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
