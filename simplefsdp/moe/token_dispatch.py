@@ -7,9 +7,9 @@ rows for rank ``j`` are one contiguous block of it, and hands :class:`TokenDispa
 chunk's rows. The dispatcher:
 
 1. exchanges tokens-per-expert counts with one all-to-all for all chunks (``[chunks, E]`` int32
-   per rank) and reads the split sizes to the host once;
-   Every rank makes the same number of chunks, empty ones included, whatever its token count,
-   so every rank issues the same collectives;
+   per rank) and reads the split sizes to the host once (every rank has the same number of
+   chunks, empty ones included, whatever its token count, so every rank issues the same
+   collectives);
 2. dispatches every chunk's rows with an autograd all-to-all whose split sizes come from the
    counts, all of them before any expert runs;
 3. per chunk, in order: reorders the received rows (grouped by source rank, then expert) by
