@@ -26,6 +26,7 @@ from torch.utils._pytree import tree_map_only
 
 from simplefsdp import passes, sharding
 from simplefsdp.eager_reshard import resharding_saved_tensors
+from simplefsdp.hf_generate import sync_generate
 from simplefsdp.mesh_layout import DataParallelLayout, resolve_layout
 from simplefsdp.moe.routed_experts import is_routed_experts, set_dispatcher, unrecognised_experts
 from simplefsdp.moe.token_dispatch import DEFAULT_EP_CHUNKS, TokenDispatcher, token_group
@@ -371,9 +372,7 @@ def simple_fsdp(
             if buf is not None:
                 module._buffers[name] = buf.to(device)
     _install_root_hooks(model, state, mp_policy, reshard_after_forward)
-    if _is_hf_model(model):
-        # as transformers' own FSDP2 path marks it: generate() then keeps every rank stepping
-        # (synced_gpus) until all ranks' sequences end, since each step gathers on every rank
-        model._is_fsdp_managed_module = True
+    if _is_hf_model(model):  # generate() keeps every rank stepping until all ranks' sequences end
+        sync_generate(model)
     passes.install(layout.group_names() | ({tokens.group_name} if tokens is not None else set()))
     return model

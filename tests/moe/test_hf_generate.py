@@ -1,10 +1,12 @@
 """``generate()`` on a wrapped Hugging Face model whose ranks finish at different steps.
 
 Every forward gathers parameters on every rank, so a rank whose sequences have ended must keep
-stepping until every rank's have: transformers does so (``synced_gpus``) for models it sees as
-FSDP-managed, which ``simple_fsdp`` marks a Hugging Face model as being. On 2 gloo ranks at
-FSDP2 x EP2 (one-token decode steps through the expert all-to-alls), rank 0 asks for 2 new tokens
-and rank 1 for 6; each rank's greedy output equals one process generating from the same weights.
+stepping until every rank's have: transformers does so with ``synced_gpus``, which a wrapped
+model's ``generate`` defaults to (:mod:`simplefsdp.hf_generate`). On 2 gloo ranks at FSDP2 x EP2
+(one-token decode steps through the expert all-to-alls), rank 0 asks for 2 new tokens and rank 1
+for 6; each rank's greedy output equals one process generating from the same weights. Dynamo
+still compiles the wrapped model as a plain module (transformers' own FSDP mark would make it
+refuse).
 """
 
 from __future__ import annotations
@@ -50,3 +52,16 @@ def test_generate_keeps_ranks_that_finish_early_in_step():
     for rank in range(2):
         assert outputs[rank].shape == (2, 5 + NEW_TOKENS[rank])
         assert torch.equal(outputs[rank], _generate(model, rank))
+
+
+def test_a_wrapped_model_still_compiles_as_a_plain_module(fake_world):
+    """The generate default is a class swap, not transformers' FSDP mark (``_is_fsdp_managed_module``),
+    which Dynamo reads as FSDP1 and refuses to compile without ``use_orig_params``."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from simplefsdp import simple_fsdp
+
+    model = simple_fsdp(_model(), init_device_mesh("cpu", (8,), mesh_dim_names=("dp_shard",)))
+    assert not getattr(model, "_is_fsdp_managed_module", False)
+    torch._dynamo.reset()
+    torch.compile(model, backend="eager", fullgraph=True)(PROMPTS[0])
