@@ -7,7 +7,8 @@ passes ``synced_gpus=True``, or by default for models it sees as FSDP-managed. I
 the attribute ``_is_fsdp_managed_module``, is also what Dynamo reads to treat a module as FSDP1's
 (it then refuses to compile it: "Dynamo only supports FSDP with use_orig_params=True"). So instead
 the root's class is swapped for a subclass whose ``generate`` defaults ``synced_gpus`` to True
-when more than one rank runs; an explicit ``synced_gpus`` is passed on as given.
+when more than one rank runs; an explicit ``synced_gpus`` is passed on as given. The subclass
+keeps the class's name, which transformers writes into a saved config's ``architectures``.
 """
 
 from __future__ import annotations
@@ -29,8 +30,8 @@ def synced_generate_class(cls: type) -> type:
                 synced_gpus = dist.is_initialized() and dist.get_world_size() > 1
             return cls.generate(self, *args, synced_gpus=synced_gpus, **kwargs)
 
-        _SYNCED_CLASSES[cls] = generated_class((synced_generate_class, (cls,)), f"SyncedGenerate{cls.__name__}", cls,
-                                               {"generate": generate})
+        # the same name: transformers reads it (save_pretrained's config.architectures, messages)
+        _SYNCED_CLASSES[cls] = generated_class((synced_generate_class, (cls,)), cls.__name__, cls, {"generate": generate})
     return _SYNCED_CLASSES[cls]
 
 

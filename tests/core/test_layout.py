@@ -1,7 +1,7 @@
 """The package's rooms and the one direction their imports point.
 
-From the bottom: ``moe`` ops and ``passes`` (torch only), the core (``simplefsdp/*.py``), the
-``models``, the ``baselines``, the training app ``train``. A module may import its own room and
+From the bottom: ``moe`` ops, ``passes`` and ``generated_classes`` (torch only), the core
+(``simplefsdp/*.py``), the ``models``, the ``baselines``, the training app ``train``. A module may import its own room and
 rooms below it; the core reaches the passes through their package only (the compile hook).
 """
 
@@ -13,7 +13,7 @@ import subprocess
 import sys
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-RANK = {"moe": 0, "passes": 0, "core": 1, "models": 2, "baselines": 3, "train": 4}
+RANK = {"moe": 0, "passes": 0, "generated_classes": 0, "core": 1, "models": 2, "baselines": 3, "train": 4}
 
 
 def _room(module: str) -> str:

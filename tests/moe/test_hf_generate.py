@@ -63,5 +63,6 @@ def test_a_wrapped_model_still_compiles_as_a_plain_module(fake_world):
 
     model = simple_fsdp(_model(), init_device_mesh("cpu", (8,), mesh_dim_names=("dp_shard",)))
     assert not getattr(model, "_is_fsdp_managed_module", False)
+    assert type(model).__name__ == "Qwen3MoeForCausalLM"  # what save_pretrained writes as the architecture
     torch._dynamo.reset()
     torch.compile(model, backend="eager", fullgraph=True)(PROMPTS[0])
