@@ -2,7 +2,8 @@
 
 Wrapping swaps a module's class for a generated subclass (parameter properties in
 :mod:`simplefsdp.param_access`, the expert-parallel forward of a Hugging Face experts module in
-:mod:`simplefsdp.moe.hf_experts`). Pickle stores a class by its module and name, and a generated
+:mod:`simplefsdp.moe.hf_experts`, the synced ``generate`` of a Hugging Face root in
+:mod:`simplefsdp.hf_generate`). Pickle stores a class by its module and name, and a generated
 class is found under neither. So each is made by a cached factory, and its metaclass,
 :class:`GeneratedClass`, pickles it as the call that makes it: ``factory(*args)``, which returns
 the same class in this process and makes it again in another.
