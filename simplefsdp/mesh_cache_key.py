@@ -1,0 +1,62 @@
+"""Compile-cache keys that name a DeviceMesh the same way in every process.
+
+A compiled DTensor graph takes its DeviceMesh as an input (on torch 2.13 an opaque object), and
+AOTAutograd's and Inductor's cache keys pickle it with the pickler's copy of
+``copyreg.dispatch_table``. The mesh's pickled state holds ``_hash``, the mesh's cached Python
+``hash()``: it hashes the dim names, strings whose hash differs in every process
+(``PYTHONHASHSEED``). So a second process, or another rank's process, computed another key for
+the same graph and never hit the cache.
+
+While torch compiles (Dynamo's start and end callbacks, which also bracket a backward compiled
+lazily), a reducer for DeviceMesh is put in ``copyreg.dispatch_table``. It pickles the mesh as
+torch would, without ``_hash``: everything else (ranks, layout, dim names, process group names,
+this rank's coordinates) stays in the key, so ranks of different groups still get keys of their
+own. The mesh recomputes ``_hash`` on first use, so a mesh pickled then loads as before. The entry
+is taken out when the compile ends, and one that was there before is put back.
+"""
+
+from __future__ import annotations
+
+import copyreg
+import pickle
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh
+
+_NOTHING = object()
+_before = [_NOTHING]  # the dispatch-table entry our reducer stands in for, while a compile runs
+
+
+def _reduce_mesh(mesh: DeviceMesh):
+    reduced = mesh.__reduce_ex__(pickle.DEFAULT_PROTOCOL)
+    state = reduced[2]
+    if isinstance(state, dict) and "_hash" in state:
+        state = {k: v for k, v in state.items() if k != "_hash"}
+    return (*reduced[:2], state, *reduced[3:])
+
+
+def _on_compile_start(_args) -> None:
+    current = copyreg.dispatch_table.get(DeviceMesh, _NOTHING)
+    if current is not _reduce_mesh:
+        _before[0] = current
+        copyreg.dispatch_table[DeviceMesh] = _reduce_mesh
+
+
+def _on_compile_end(_args) -> None:
+    before, _before[0] = _before[0], _NOTHING
+    if copyreg.dispatch_table.get(DeviceMesh) is _reduce_mesh:
+        if before is _NOTHING:
+            del copyreg.dispatch_table[DeviceMesh]
+        else:
+            copyreg.dispatch_table[DeviceMesh] = before
+
+
+def install() -> None:
+    """Register the callbacks (idempotent; ``torch._dynamo.reset()`` clears them, so
+    ``simple_fsdp`` calls this each time)."""
+    callbacks = getattr(torch._dynamo.callback, "callback_handler", None)
+    if callbacks is None:
+        return
+    if _on_compile_start not in callbacks.start_callbacks:
+        callbacks.register_start_callback(_on_compile_start)
+        callbacks.register_end_callback(_on_compile_end)
