@@ -1,12 +1,46 @@
 """Shared fixtures: a fake 8-rank process group for single-process graph and error tests (graph
 modules run as rank 0 and as the last rank), and an
-``expecttest`` case for inline expected graphs (``EXPECTTEST_ACCEPT=1`` rewrites them)."""
+``expecttest`` case for inline expected graphs (``EXPECTTEST_ACCEPT=1`` rewrites them).
+
+The suite runs on two pytest-xdist workers (``pytest.ini``). Tests marked ``ranks`` launch gloo
+ranks in processes of their own; they form one xdist group, so one worker runs them one launch at
+a time (a launch already uses every core, and ``launch_once`` results are shared within a worker),
+while the other worker runs the single-process tests. A test that launches ranks without the mark
+fails, naming itself (the launcher is wrapped here)."""
 
 from __future__ import annotations
+
+import functools
 
 import expecttest
 import pytest
 import torch.distributed as dist
+
+import simplefsdp.train.launch as launch
+
+_running: dict = {}  # the test item being run
+
+
+def _launches_need_the_ranks_mark(run_ranks):
+    @functools.wraps(run_ranks)
+    def checked(*args, **kwargs):
+        item = _running.get("item")
+        if item is not None and item.get_closest_marker("ranks") is None:
+            raise AssertionError(f"{item.nodeid} launches ranks: mark it @pytest.mark.ranks (conftest.py says why)")
+        return run_ranks(*args, **kwargs)
+
+    return checked
+
+
+launch.run_ranks = _launches_need_the_ranks_mark(launch.run_ranks)  # before any test module imports it
+
+
+def pytest_runtest_setup(item):
+    _running["item"] = item  # set before the item's fixtures, module-scoped ones included
+
+
+def pytest_runtest_teardown(item):
+    _running.pop("item", None)
 
 
 def fake_world_at(rank: int):
@@ -44,8 +78,11 @@ FAKE_RANKS = dict(scope="module", params=[0, 7], ids=["rank0", "rank7"])
 
 @pytest.hookimpl(tryfirst=True)  # before the ``-m`` selection
 def pytest_collection_modifyitems(items):
-    """Tests marked ``slow_on_last_rank`` run as rank 0 by default and as rank 7 with ``-m slow``."""
+    """Tests marked ``slow_on_last_rank`` run as rank 0 by default and as rank 7 with ``-m slow``;
+    tests marked ``ranks`` join one xdist group."""
     for item in items:
+        if item.get_closest_marker("ranks"):
+            item.add_marker(pytest.mark.xdist_group("ranks"))
         callspec = getattr(item, "callspec", None)
         if item.get_closest_marker("slow_on_last_rank") and callspec and callspec.params.get("fake_world") == 7:
             item.add_marker(pytest.mark.slow)

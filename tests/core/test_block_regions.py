@@ -48,6 +48,7 @@ def _parity_body(model: str):
     return {regions: _first_grads_then_train(cfg, regions) for regions in (False, True)}
 
 
+@pytest.mark.ranks
 @pytest.mark.parametrize("model", ["dense", pytest.param("moe", marks=pytest.mark.slow)])
 def test_blocks_compiled_once_train_bitwise_like_the_whole_model_compile(model):
     results = T.launch_once(_parity_body, 2, model)

@@ -137,6 +137,7 @@ def _param(run):
     return pytest.param(run, marks=pytest.mark.slow) if RUNS[run][4] else run
 
 
+@pytest.mark.ranks
 @pytest.mark.parametrize("run", [_param(r) for r in RUNS])
 def test_gradients_match_single_process(run, references):
     grads, norm, state = T.launch_once(_body, 4, "compiled" if RUNS[run][4] else "eager")[run]
@@ -150,6 +151,7 @@ def test_gradients_match_single_process(run, references):
     assert T.max_abs_diff(state, ref_state) < PARAM_ATOL
 
 
+@pytest.mark.ranks
 @pytest.mark.parametrize("run", [r for r in RUNS if not RUNS[r][4]])
 def test_gathered_with_writeback_gives_every_parameter_whole(run):
     full = T.launch_once(_body, 4, "eager")[f"{run}/gathered"]
@@ -158,6 +160,7 @@ def test_gathered_with_writeback_gives_every_parameter_whole(run):
     assert [n for n in full if not torch.equal(full[n], expected[n])] == []
 
 
+@pytest.mark.ranks
 def test_replicas_start_equal_whatever_each_rank_built():
     unequal = T.launch_once(_body, 4, "eager")["replica_sync"]
     assert unequal == {name: [] for name in REPLICA_LAYOUTS}

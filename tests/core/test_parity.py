@@ -108,6 +108,7 @@ def _launch(world, compiled):
     return T.launch_once(_eager_body, world)
 
 
+@pytest.mark.ranks
 @pytest.mark.parametrize("world", [2, 4])
 @pytest.mark.parametrize("mode", MODES + ("fully_shard/keep",))
 def test_eager_matches_single_process(world, mode, reference):
@@ -119,6 +120,7 @@ def test_eager_matches_single_process(world, mode, reference):
     assert losses[-1] < 0.7 * losses[0]
 
 
+@pytest.mark.ranks
 @pytest.mark.parametrize("world", [2, 4])
 @pytest.mark.parametrize("mode", MODES + ("fully_shard/bf16", "hybrid_shard/bf16"))
 def test_eager_matches_fsdp2_bitwise(world, mode):
@@ -135,6 +137,7 @@ def test_eager_matches_fsdp2_bitwise(world, mode):
     assert all(torch.equal(state[k], fsdp2_state[k]) for k in state)
 
 
+@pytest.mark.ranks
 @pytest.mark.parametrize(
     "world, mode",
     [(2, m) for m in MODES + ("fully_shard/keep",)]

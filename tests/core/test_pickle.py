@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import io
 
+import pytest
 import torch
 from torch.distributed.device_mesh import init_device_mesh
 
@@ -42,6 +43,7 @@ def _body():
     return out
 
 
+@pytest.mark.ranks
 def test_a_wrapped_model_saved_and_loaded_computes_the_same():
     assert T.launch_once(_body, 2) == {"dense": (True, True, True), "moe_ep2": (True, True, True)}
 

@@ -37,6 +37,7 @@ def _body():
 
 # one 4-rank launch runs both (55 s on 2 cores): in the slow run; the default suite checks FSDP x TP
 # eagerly at the gradient level (tests/core/test_gradients.py) and its compiled graph below
+@pytest.mark.ranks
 @pytest.mark.slow
 @pytest.mark.parametrize("run", ["eager", "compiled"])
 def test_fsdp_tp_matches_single_process(run):

@@ -46,6 +46,7 @@ def _body():
     return out
 
 
+@pytest.mark.ranks
 def test_generate_keeps_ranks_that_finish_early_in_step():
     outputs = T.launch_once(_body, 2)
     model = _model()

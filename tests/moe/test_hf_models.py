@@ -138,6 +138,7 @@ def references():
     return get
 
 
+@pytest.mark.ranks
 @pytest.mark.parametrize(
     "run", [pytest.param(r, marks=() if GROUP_OF[r] == "eager" else pytest.mark.slow) for r in RUNS]
 )

@@ -102,6 +102,7 @@ def _checkpoint_keys(directory) -> set[str]:
         return set(f.keys())
 
 
+@pytest.mark.ranks
 @pytest.mark.parametrize("run", LOADED)
 def test_load_reads_each_ranks_slices_and_save_round_trips(run, saved):
     from transformers import AutoModelForCausalLM
@@ -190,6 +191,7 @@ def _sub_mesh_body(directory: str):
     return dist.get_rank()
 
 
+@pytest.mark.ranks
 def test_a_model_on_a_sub_mesh_is_saved_by_its_own_ranks(tmp_path):
     from transformers import AutoModelForCausalLM
 

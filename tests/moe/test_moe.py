@@ -74,6 +74,7 @@ def references():
     return out
 
 
+@pytest.mark.ranks
 @pytest.mark.parametrize("run", [_run_param(r) for r in RUNS])
 def test_expert_parallel_matches_single_process(run, references):
     losses, state = T.launch_once(_body, 4, GROUP_OF[run])[run]
@@ -100,6 +101,7 @@ FSDP2_RUNS = [
 ]
 
 
+@pytest.mark.ranks
 @pytest.mark.parametrize("run,form", [_run_param(*rf) for rf in FSDP2_RUNS])
 def test_expert_parallel_matches_fsdp2(run, form):
     """Eager runs (with or without checkpointing) are bitwise equal to FSDP2; compiled runs close."""
@@ -154,6 +156,7 @@ def _body(group: str):
     return out
 
 
+@pytest.mark.ranks
 def test_moe_layer_graph_uses_each_mesh():
     forward, backward = T.launch_once(_body, 4, "eager")["graphs"]
     collectives = [line for line in forward if "[" in line and not line.startswith("wait")]
@@ -194,6 +197,7 @@ def _chunking_body(compiled: bool):
     return out
 
 
+@pytest.mark.ranks
 @pytest.mark.parametrize("compiled", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["eager", "compiled"])
 def test_token_chunks_change_only_the_expert_weight_gradient_sums(compiled):
     """Each token's result does not depend on the chunking: the loss and every gradient but the
@@ -210,22 +214,36 @@ def test_token_chunks_change_only_the_expert_weight_gradient_sums(compiled):
 
 
 def _compiled_ep_losses():
+    """Losses of 3 compiled steps, and this process's compile-cache counters."""
+    from torch._dynamo.utils import counters
+
     model, runner, dp_rank, dp_size = T.wrapped_run(MOE, (4,), ("dp_shard",), 2, compiled=True)
-    return T.train(runner, T.batches(MOE)[:3], dp_rank=dp_rank, dp_size=dp_size)
+    losses = T.train(runner, T.batches(MOE)[:3], dp_rank=dp_rank, dp_size=dp_size)
+    seen = {**counters["aot_autograd"], **counters["inductor"]}
+    return losses, {k: v for k, v in seen.items() if k.startswith(("autograd_cache_", "fxgraph_cache_"))}
 
 
+@pytest.mark.ranks
 @pytest.mark.slow
 def test_ep_layout_runs_twice_from_one_shared_cache_dir(tmp_path, monkeypatch):
     """Ranks of different ep groups (ranks 0 and 2: groups {0, 1} and {2, 3}) share one cache dir.
 
-    The second launch reads what the first wrote; no rank may load another group's artifacts
-    ("Could not resolve the process group registered under the name N" on torch 2.13).
+    The second launch reads what the first wrote: every rank's Inductor graphs hit the cache, and
+    nothing misses (the meshes pickle into the keys alike in every process:
+    ``simplefsdp.mesh_cache_key``). AOTAutograd bypasses its cache here: torch does not cache a
+    graph holding an ``autograd.Function`` (the expert gradients' divide). No rank may load another
+    group's artifacts ("Could not resolve the process group registered under the name N" on torch
+    2.13).
     """
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
     first = run_ranks(_compiled_ep_losses, 4)
     assert any(tmp_path.iterdir())  # the ranks compiled into the shared dir
     second = run_ranks(_compiled_ep_losses, 4)
-    assert first == second and all(losses == first[0] for losses in first)
+    losses = [out[0] for out in first + second]
+    assert all(loss == losses[0] for loss in losses)
+    for rank, (_, seen) in enumerate(second):
+        misses = {k: v for k, v in seen.items() if k.endswith("_miss")}
+        assert seen.get("fxgraph_cache_hit") and not misses, (rank, seen)
 
 
 def _expect_error(match, mesh_shape=(8,), names=("dp_shard",), ep=2, cfg=MOE, model=None):

@@ -71,6 +71,7 @@ def test_token_chunks_are_always_as_many_as_asked():
     assert token_chunks(5, 2) == [(0, 2), (2, 5)]
 
 
+@pytest.mark.ranks
 @pytest.mark.parametrize("compiled", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["eager", "compiled"])
 @pytest.mark.parametrize("counts", COUNTS, ids=lambda c: f"{c[0]}and{c[1]}tokens")
 def test_ranks_with_different_token_counts_match_one_process(counts, compiled):

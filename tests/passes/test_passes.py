@@ -365,6 +365,7 @@ def _assert_bitwise(run: str, bucketing: str):
     assert all(torch.equal(state[k], ref_state[k]) for k in state)
 
 
+@pytest.mark.ranks
 @pytest.mark.parametrize("run", ["fsdp2", *(pytest.param(r, marks=pytest.mark.slow) for r in ("fsdp2xep2", "fsdp2xtp2xep2"))])
 def test_default_passes_change_no_bit(run):
     """All-gather and reduce-scatter buckets and the all-to-all overlap: every loss and parameter is unchanged."""
@@ -593,6 +594,7 @@ def _gloo_guard_body():
     return before, after_prefetch, describe(graph, names), describe(coalesced, names)
 
 
+@pytest.mark.ranks
 def test_gloo_guard_keeps_one_collective_in_flight():
     from simplefsdp.train.launch import run_ranks
 

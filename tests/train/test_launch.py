@@ -9,6 +9,8 @@ import pytest
 
 from simplefsdp.train.launch import run_ranks
 
+pytestmark = pytest.mark.ranks  # every test here launches ranks
+
 
 def _rank1_crashes():
     import torch

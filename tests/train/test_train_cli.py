@@ -17,6 +17,9 @@ import pytest
 from simplefsdp.train import cli as train, compare
 from simplefsdp.train.metrics import read_records
 
+# most tests here launch ranks through the CLI; the rest are quick config errors
+pytestmark = pytest.mark.ranks
+
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DENSE, MOE, HF_MOE = (os.path.join(REPO, "configs", f"debug_{m}.toml") for m in ("dense", "moe", "hf_moe"))
 
