@@ -62,6 +62,9 @@ class _Capture(CustomGraphPass):
         self.graphs.append(describe(graph, self.group_names))
 
     def uuid(self):
+        # no identity to cache by: torch then bypasses its FX-graph and AOTAutograd caches, so
+        # the passes run on every compile, while the compiled kernels' caches stay warm (so no
+        # force_disable_caches, which would compile every kernel again in a fresh cache dir)
         return None
 
 
@@ -94,7 +97,7 @@ def captured_graphs(source, passes=()):
     capture = _Capture(_group_names(source), passes)
     chain = SimpleFSDPPasses(user_pass=capture)
     chain.passes = []  # only the passes given to the capture run, in its own order
-    with torch._inductor.config.patch(post_grad_custom_post_pass=chain, force_disable_caches=True):
+    with torch._inductor.config.patch(post_grad_custom_post_pass=chain):
         yield capture.graphs
 
 

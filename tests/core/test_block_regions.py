@@ -87,7 +87,7 @@ def _outlines(model, **options):
     outline = _Outline()
     chain = SimpleFSDPPasses(user_pass=outline)
     tokens = torch.randint(0, MOE.vocab_size, (2, 16))
-    with torch._inductor.config.patch(post_grad_custom_post_pass=chain, force_disable_caches=True):
+    with torch._inductor.config.patch(post_grad_custom_post_pass=chain):
         out = torch.compile(model, fullgraph=True, options=options)(tokens)
         cross_entropy_loss(out, tokens).backward()
     return outline.graphs

@@ -83,7 +83,7 @@ def _compiled_graphs(model, tokens) -> list[torch.fx.Graph]:
     capture = _Capture()
     chain = SimpleFSDPPasses(user_pass=capture)
     chain.passes = []
-    with torch._inductor.config.patch(post_grad_custom_post_pass=chain, force_disable_caches=True):
+    with torch._inductor.config.patch(post_grad_custom_post_pass=chain):
         out = torch.compile(model, fullgraph=True)(tokens)
         getattr(out, "logits", out).sum().backward()
     return capture.graphs

@@ -323,7 +323,7 @@ def _chunked_schedules(shape, names, ep, ep_chunks):
     chain = SimpleFSDPPasses(user_pass=capture)
     chain.passes = []
     x = torch.randn(2, 16, CFG.dim, requires_grad=True)
-    with torch._inductor.config.patch(post_grad_custom_post_pass=chain, force_disable_caches=True):
+    with torch._inductor.config.patch(post_grad_custom_post_pass=chain):
         torch.compile(model, fullgraph=True)(x).sum().backward()
     return capture.schedules
 
