@@ -8,10 +8,13 @@ compiling included), the child's whole wall time (imports and model build too), 
 compile-cache counters (AOTAutograd and FX-graph hits, misses and bypasses), so that a warm run
 that recompiled shows as a miss, not just as a slow number.
 
-One process, one device (world 1: no collective runs).
+With ``--ranks N`` each child is N gloo ranks on CPU (``torch.distributed.run``): the first step
+is the slowest rank's, the counters are summed over ranks. Without it, one process on one device
+(world 1: no collective runs).
 
     python benchmarks/warm_start.py --models moe --out benchmarks/results/warm_start_h200.json
     python benchmarks/warm_start.py --models configs/debug_dense.toml --set parallel.dp_shard=1   # CPU
+    python benchmarks/warm_start.py --models configs/debug_moe.toml,configs/debug_dense.toml --ranks 4   # CPU
 """
 
 from __future__ import annotations
@@ -34,48 +37,56 @@ def child(config: str, overrides: list[str]) -> dict:
     import torch
     from torch._dynamo.utils import counters
 
+    import torch.distributed as dist
+
     from simplefsdp.train.cli import build, train_step
     from simplefsdp.train.config import load, validate
-    from simplefsdp.train.data import token_stream
+    from simplefsdp.train.data import data_parallel_rank, rank_slice, token_stream
     from step_time import start_ranks
 
     device = start_ranks()
+    world = dist.get_world_size()
     cfg = load(config, [kv.split("=", 1) for kv in overrides] + [("training.compile", "true")])
-    validate(cfg, 1)
-    model, runner, optimizer = build(cfg, 1, device.type)
+    validate(cfg, world)
+    model, runner, optimizer = build(cfg, world, device.type)
     t = cfg.training
+    dp_rank, dp_size = data_parallel_rank(cfg.parallel.tp)
     batch = token_stream(t.dataset, cfg.model_config().vocab_size, t.global_batch, t.seq_len, t.seed).batch(0)
-    batch = tuple(x.to(device) for x in batch)
+    batch = tuple(x.to(device) for x in rank_slice(batch, dp_rank, dp_size))
     start = time.perf_counter()
-    train_step(runner, optimizer, batch, params=list(model.parameters()), dp_size=1, max_norm=t.max_norm)
+    train_step(runner, optimizer, batch, params=list(model.parameters()), dp_size=dp_size, max_norm=t.max_norm)
     if device.type == "cuda":
         torch.cuda.synchronize()
     seconds = time.perf_counter() - start
     seen = {**counters["aot_autograd"], **counters["inductor"]}
-    return {"first_step_s": seconds, **{name: seen.get(name, 0) for name in COUNTERS}}
+    mine = {"first_step_s": seconds, **{name: seen.get(name, 0) for name in COUNTERS}}
+    ranks = [None] * world
+    dist.all_gather_object(ranks, mine)
+    return {k: max(r[k] for r in ranks) if k == "first_step_s" else sum(r[k] for r in ranks) for k in mine}
 
 
-def run_twice(config: str, overrides: list[str]) -> list[dict]:
-    """A cold and a warm child process on one fresh cache dir."""
+def run_twice(config: str, overrides: list[str], ranks: int = 1) -> list[dict]:
+    """A cold and a warm child (a process, or ``ranks`` CPU ranks) on one fresh cache dir."""
     env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=tempfile.mkdtemp(prefix="warm-start-cache-"))
     env["PYTHONPATH"] = os.pathsep.join(p for p in (ROOT, os.path.join(ROOT, "benchmarks"), env.get("PYTHONPATH")) if p)
     rows = []
     for run in ("cold", "warm"):
         begin = time.perf_counter()
-        out = subprocess.run([sys.executable, __file__, "--child", config, *sum((["--set", kv] for kv in overrides), [])],
+        launcher = [] if ranks == 1 else ["-m", "torch.distributed.run", "--nproc-per-node", str(ranks), "--master-port", "29518"]
+        out = subprocess.run([sys.executable, *launcher, __file__, "--child", config, *sum((["--set", kv] for kv in overrides), [])],
                              env=env, capture_output=True, text=True, check=False)
         if out.returncode:
             raise RuntimeError(f"{run} run of {config} failed:\n{out.stderr[-3000:]}")
         result = json.loads(out.stdout.strip().splitlines()[-1])
-        rows.append({"config": config, "run": run, "wall_s": time.perf_counter() - begin, **result})
+        rows.append({"config": config, "ranks": ranks, "run": run, "wall_s": time.perf_counter() - begin, **result})
     return rows
 
 
 def table(rows: list[dict]) -> str:
-    head = "| config | run | first step s | process wall s | AOTAutograd hit / miss / bypass | FX graph hit / miss |"
-    lines = [head, "|" + "---|" * 6]
+    head = "| config | ranks | run | first step s | process wall s | AOTAutograd hit / miss / bypass | FX graph hit / miss |"
+    lines = [head, "|" + "---|" * 7]
     for r in rows:
-        lines.append(f"| {os.path.basename(r['config'])} | {r['run']} | {r['first_step_s']:.1f} | {r['wall_s']:.1f} | "
+        lines.append(f"| {os.path.basename(r['config'])} | {r.get('ranks', 1)} | {r['run']} | {r['first_step_s']:.1f} | {r['wall_s']:.1f} | "
                      f"{r['autograd_cache_hit']} / {r['autograd_cache_miss']} / {r['autograd_cache_bypass']} | "
                      f"{r['fxgraph_cache_hit']} / {r['fxgraph_cache_miss']} |")
     return "\n".join(lines)
@@ -85,17 +96,20 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--models", default="moe", help="comma-separated: step_time's names (dense, moe, hf_moe) or config paths")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override (repeatable)")
+    p.add_argument("--ranks", type=int, default=1, help="CPU gloo ranks per child (torch.distributed.run); 1: one process")
     p.add_argument("--out", help="results JSON")
     p.add_argument("--child", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.child:
-        print(json.dumps(child(args.child, args.set)))
+        result = child(args.child, args.set)
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(json.dumps(result))
         return
     from step_time import CONFIGS
 
     rows = []
     for name in args.models.split(","):
-        rows += run_twice(os.path.join(ROOT, CONFIGS[name]) if name in CONFIGS else os.path.abspath(name), args.set)
+        rows += run_twice(os.path.join(ROOT, CONFIGS[name]) if name in CONFIGS else os.path.abspath(name), args.set, args.ranks)
     text = table(rows)
     print(text)
     if args.out:
