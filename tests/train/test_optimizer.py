@@ -1,9 +1,13 @@
-"""The training optimizer: one fused AdamW param group per (mesh, placements), on a fake 8-rank
-group (the optimizer step is local to each shard, so the fake group's missing data does not matter)."""
+"""The training optimizer: one AdamW param group per (mesh, placements), on a fake 8-rank group
+(the optimizer step is local to each shard, so the fake group's missing data does not matter), and
+its multi-tensor Triton kernel, run on the CPU under Triton's interpreter."""
 
 from __future__ import annotations
 
 import dataclasses
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -44,13 +48,12 @@ def test_one_param_group_per_mesh_and_placements(fake_world):
     assert len(groups) == 2  # dense on dp_shard, routed experts on [edp, ep]
     for group in groups:
         assert len({(p.device_mesh, tuple(p.placements)) for p in group["params"]}) == 1
-        assert group["fused"] is True
     assert sorted(id(p) for g in groups for p in g["params"]) == sorted(id(p) for p in model.parameters())
 
 
-def test_grouped_fused_adamw_matches_per_parameter_adamw(fake_world):
-    """Same gradients, three steps: the grouped fused optimizer moves every shard as
-    ``AdamW(foreach=False)`` does, to the last bits."""
+def test_grouped_adamw_matches_per_parameter_adamw(fake_world):
+    """Same gradients, three steps: the grouped optimizer (its torch path on the CPU) moves every
+    shard as ``AdamW(foreach=False)`` does, to the last bits."""
     models = [_wrapped_moe() for _ in range(2)]
     optimizers = [make_optimizer(models[0], 1e-2), torch.optim.AdamW(models[1].parameters(), lr=1e-2, foreach=False)]
     gen = torch.Generator().manual_seed(0)
@@ -110,8 +113,10 @@ def _folded_clipping_body():
     gen = torch.Generator().manual_seed(0)
     for _ in range(3):
         _same_random_grads(models, gen)
+        grads = [p.grad.to_local().clone() for p in models[0].parameters()]
         norm = clipped_step(optimizers[0], list(models[0].parameters()), 1.0)
-        assert norm > 1.0 and not hasattr(optimizers[0], "grad_scale")
+        assert norm > 1.0
+        assert all(torch.equal(p.grad.to_local(), g) for p, g in zip(models[0].parameters(), grads))
         assert clip_grads_(list(models[1].parameters()), 1.0) == norm
         optimizers[1].step()
     worst = _largest_shard_difference(models)
@@ -119,10 +124,10 @@ def _folded_clipping_body():
     return worst
 
 
-def test_clipping_folded_into_the_fused_step_matches_scaling_first():
-    """``clipped_step`` (the norm, then fused AdamW dividing by the clip divisor as it reads the
+def test_clipping_folded_into_the_step_matches_scaling_first():
+    """``clipped_step`` (the norm, then AdamW dividing by the clip divisor as it reads the
     gradients) moves every shard as clipping the gradients first and then stepping does, to the
-    last bits, over three steps whose gradients need clipping; it leaves no ``grad_scale`` behind.
+    last bits, over three steps whose gradients need clipping, and leaves the gradients unclipped.
     In a fresh process, as the clipping test above."""
     import multiprocessing
 
@@ -132,17 +137,16 @@ def test_clipping_folded_into_the_fused_step_matches_scaling_first():
     assert worst < 1e-6
 
 
-def test_clipping_with_a_group_that_is_not_fused_scales_first():
-    """A param group with ``fused=False`` under a fused default: ``clipped_step`` scales the
-    gradients first (the unfused kernel takes no ``grad_scale``), as clipping then stepping does."""
+def test_another_optimizer_gets_its_gradients_scaled_first():
+    """An optimizer that is not this project's AdamW (torch's, fused): ``clipped_step`` scales the
+    gradients, then steps, exactly as clipping then stepping does."""
     from simplefsdp.train.grad_norm import clip_grads_
     from simplefsdp.train.optimizer import clipped_step
 
     torch.manual_seed(0)
     layers = [torch.nn.Linear(4, 4) for _ in range(2)]
     layers[1].load_state_dict(layers[0].state_dict())
-    optimizers = [torch.optim.AdamW([{"params": [m.weight]}, {"params": [m.bias], "fused": False}], lr=1e-2, fused=True)
-                  for m in layers]
+    optimizers = [torch.optim.AdamW(m.parameters(), lr=1e-2, fused=True) for m in layers]
     grads = [torch.randn(4, 4) * 10, torch.randn(4) * 10]
     for m in layers:
         m.weight.grad, m.bias.grad = (g.clone() for g in grads)
@@ -150,3 +154,124 @@ def test_clipping_with_a_group_that_is_not_fused_scales_first():
     assert clip_grads_(list(layers[1].parameters()), 1.0) == norm > 1.0
     optimizers[1].step()
     assert all(torch.equal(a, b) for a, b in zip(layers[0].parameters(), layers[1].parameters()))
+
+
+@pytest.mark.parametrize("option", ["amsgrad", "maximize", "fused", "capturable"])
+def test_options_it_does_not_implement_are_refused_before_any_step(option):
+    """In the constructor, or set on a param group later: a ValueError naming the option, raised
+    before any group has stepped (the first group's parameter and state are untouched)."""
+    from simplefsdp.train.adamw import AdamW
+
+    with pytest.raises(ValueError, match=option):
+        AdamW([torch.nn.Parameter(torch.ones(3))], lr=1e-2, **{option: True})
+    first, second = torch.nn.Parameter(torch.ones(3)), torch.nn.Parameter(torch.ones(3))
+    first.grad, second.grad = torch.ones(3), torch.ones(3)
+    optimizer = AdamW([{"params": [first]}, {"params": [second]}], lr=1e-2)
+    optimizer.param_groups[1][option] = True
+    with pytest.raises(ValueError, match=f"param group 1 sets {option}"):
+        optimizer.step()
+    assert torch.equal(first.detach(), torch.ones(3)) and not optimizer.state
+
+
+_KERNEL_CHECK = """
+import torch
+from simplefsdp.train import adamw
+from simplefsdp.train.grad_norm import clip_grads_
+from simplefsdp.train.optimizer import clipped_step, make_optimizer, param_groups
+from tests.conftest import fake_world_at
+from tests.train.test_optimizer import _same_random_grads, _wrapped_moe
+
+adamw.BLOCK, adamw.CHUNK_BLOCKS = 64, 2  # chunks of 128 elements: most tensors span several and end mid-chunk
+def torch_path_ran(*args, **kwargs):
+    raise AssertionError("a tensor took the torch path")
+adamw.AdamW._foreach_step = torch_path_ran
+
+world = fake_world_at(0)
+next(world)
+models = [_wrapped_moe() for _ in range(2)]
+ours = make_optimizer(models[0], 1e-2)
+reference = torch.optim.AdamW([{"params": g} for g in param_groups(list(models[1].parameters()))], lr=1e-2, fused=True)
+gen = torch.Generator().manual_seed(0)
+for _ in range(3):
+    _same_random_grads(models, gen)
+    grads = [p.grad.to_local().clone() for p in models[0].parameters()]
+    norm = clipped_step(ours, list(models[0].parameters()), 1.0)
+    assert all(torch.equal(p.grad.to_local(), g) for p, g in zip(models[0].parameters(), grads)), "gradient written"
+    assert clip_grads_(list(models[1].parameters()), 1.0) == norm > 1.0
+    reference.step()
+worst = 0.0
+for a, b in zip(models[0].parameters(), models[1].parameters()):
+    for x, y in [(a, b), *((ours.state[a][k], reference.state[b][k]) for k in ("exp_avg", "exp_avg_sq"))]:
+        x, y = x.to_local(), y.to_local()
+        relative = ((x - y).abs().max() / y.abs().max()).item()  # to the tensor's scale: elements cross zero
+        assert relative <= 1e-6, (tuple(x.shape), relative)
+        worst = max(worst, relative)
+    assert ours.state[a]["step"].item() == 3.0 and ours.state[a]["step"].device.type == "cpu"
+print(f"kernel ok, largest relative difference {worst:.3g}")
+"""
+
+
+def test_triton_kernel_matches_torch_fused_adamw_with_clipping():
+    """The multi-tensor kernel (Triton's interpreter on the CPU, small chunks so tensors span
+    several and end mid-chunk), over the dense and the expert mesh's shards, with clipping folded
+    in: parameters and both moments within 1e-6 of their largest element of clipping first and then torch's fused
+    AdamW, over three steps; the gradients are never written; no tensor takes the torch path."""
+    pytest.importorskip("triton")
+    pytest.importorskip("numpy")  # Triton's interpreter computes with numpy
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    done = subprocess.run([sys.executable, "-c", _KERNEL_CHECK], env=dict(os.environ, TRITON_INTERPRET="1"),
+                          capture_output=True, text=True, cwd=root)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "kernel ok" in done.stdout, done.stdout
+    print(done.stdout)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_on_gpu_kernel_matches_torch_fused_adamw():
+    """On CUDA the kernel path is taken; against torch's fused AdamW stepping on the gradients
+    divided first, over three steps: parameters and moments within 1e-6 of each tensor's largest
+    element, gradients unchanged."""
+    from simplefsdp.train.adamw import AdamW
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    shapes = [(4096, 1000), (7,), (3, 100003)]  # a chunk boundary inside, a tiny one, an odd size
+    start = [torch.randn(s, generator=gen, device="cuda") for s in shapes]
+    ours, theirs = ([torch.nn.Parameter(t.clone()) for t in start] for _ in range(2))
+    optimizers = AdamW(ours, lr=1e-2, weight_decay=0.1), torch.optim.AdamW(theirs, lr=1e-2, weight_decay=0.1, fused=True)
+    optimizers[0]._foreach_step = None  # the torch path would fail
+    for _ in range(3):
+        grads = [torch.randn(s, generator=gen, device="cuda") for s in shapes]
+        divisor = torch.tensor(3.0, device="cuda")
+        for p, g in zip(ours, grads):
+            p.grad = g.clone()
+        for p, g in zip(theirs, grads):
+            p.grad = g / divisor
+        optimizers[0].step(grad_divisor=divisor)
+        optimizers[1].step()
+        assert all(torch.equal(p.grad, g) for p, g in zip(ours, grads))
+    for a, b in zip(ours, theirs):
+        for x, y in [(a, b), *((optimizers[0].state[a][k], optimizers[1].state[b][k]) for k in ("exp_avg", "exp_avg_sq"))]:
+            assert (x - y).abs().max() <= 1e-6 * y.abs().max()
+
+
+def test_kernel_compiles_for_hopper_with_128_bit_loads_and_stores():
+    """Without a GPU: Triton compiles the kernel for sm_90 (an H100/H200), with and without the
+    clip divisor, and a whole block moves each of its four inputs with 128-bit loads and its three
+    outputs with 128-bit stores (the addresses' alignment hints and the unmasked branch are what
+    make them so; a masked load of unknown alignment compiles to 32-bit loads)."""
+    triton = pytest.importorskip("triton")
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from simplefsdp.train.adamw import _adamw_kernel
+
+    signature = {"table_ptr": "*i64", "coef_ptr": "*fp32", "chunk_tensor_ptr": "*i32", "chunk_start_ptr": "*i64",
+                 "divisor_ptr": "*fp32", "n_tensors": "i32", "lr": "fp32", "beta1": "fp32", "beta2": "fp32",
+                 "eps": "fp32", "weight_decay": "fp32", "HAS_DIVISOR": "constexpr", "BLOCK": "constexpr",
+                 "CHUNK_BLOCKS": "constexpr"}
+    for has_divisor in (True, False):
+        source = ASTSource(fn=_adamw_kernel, signature=signature,
+                           constexprs={"HAS_DIVISOR": has_divisor, "BLOCK": 2048, "CHUNK_BLOCKS": 8})
+        ptx = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 8}).asm["ptx"]
+        # 2048 elements over 256 threads: 8 per thread, two 128-bit accesses per array
+        assert ptx.count("ld.global.v4.b32") == 4 * 2 and ptx.count("st.global.v4.b32") == 3 * 2, has_divisor

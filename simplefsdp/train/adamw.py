@@ -1,0 +1,200 @@
+"""AdamW as one multi-tensor Triton kernel that moves each byte once, with gradient clipping folded in.
+
+fp32 AdamW must read the parameter, the gradient and both moments and write the parameter and both
+moments back: 28 bytes per parameter, the traffic floor of the step. torch's fused AdamW reaches
+about 60% of it on an H200, and with a ``grad_scale`` (the hook clipping can use) it also writes
+every gradient back. This optimizer runs one Triton kernel per param group over every tensor of
+the group at once:
+
+* a table on the device holds, per tensor, the addresses of its parameter, gradient and moments,
+  its element count and its two step coefficients (``lr / (1 - beta1^step)`` and
+  ``sqrt(1 - beta2^step)``, computed on the host in double precision as torch does);
+* the tensors are cut into chunks of ``CHUNK`` elements; program ``i`` updates chunk ``i``, found
+  through two cached arrays (which tensor, which offset), so one launch covers the group however
+  many tensors it has and however their sizes differ;
+* the clip divisor ``max(1, (norm + 1e-6) / max_norm)`` stays a tensor on the device; each program
+  loads it and divides the gradient in registers. The gradient is only read: after the step it
+  still holds the unclipped values (torch's ``clip_grad_norm_`` overwrites them).
+
+The update is torch's (``param -= lr * wd * param``, moments, ``param -= step_size * m / (sqrt(v) /
+sqrt(bc2) + eps)``) with correctly rounded square roots and divisions; it may differ from torch's
+fused kernel in the last bit (operation order).
+
+The kernel takes contiguous float32 tensors on CUDA (or on the CPU under Triton's interpreter,
+``TRITON_INTERPRET=1``, which the tests use). Every other tensor (CPU training, bf16 parameters)
+steps through torch's multi-tensor AdamW (``foreach``), given the gradients already divided (a copy,
+so there too the gradients are left as they were). State is kept as torch's AdamW keeps it
+(``step`` a CPU scalar, ``exp_avg``, ``exp_avg_sq`` shaped and placed like the parameter, DTensors
+for DTensor parameters), so checkpoints move between the two.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+from torch.distributed.tensor import DTensor
+from torch.optim.adamw import adamw as torch_adamw
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # a torch build without triton: the foreach path runs everywhere
+    triton = None
+
+BLOCK = 2048  # elements a program handles per loop iteration
+CHUNK_BLOCKS = 8  # iterations per program: a chunk is BLOCK * CHUNK_BLOCKS elements
+NUM_WARPS = 8
+
+
+if triton is not None:
+
+    @triton.jit
+    def _adamw_kernel(table_ptr, coef_ptr, chunk_tensor_ptr, chunk_start_ptr, divisor_ptr, n_tensors,
+                      lr, beta1, beta2, eps, weight_decay,
+                      HAS_DIVISOR: tl.constexpr, BLOCK: tl.constexpr, CHUNK_BLOCKS: tl.constexpr):
+        chunk = tl.program_id(0)
+        t = tl.load(chunk_tensor_ptr + chunk)
+        start = tl.load(chunk_start_ptr + chunk)
+        # every address is 16-byte aligned (the host checks): 128-bit loads and stores
+        param = tl.multiple_of(tl.load(table_ptr + t).to(tl.pointer_type(tl.float32)), 16)
+        grad = tl.multiple_of(tl.load(table_ptr + n_tensors + t).to(tl.pointer_type(tl.float32)), 16)
+        exp_avg = tl.multiple_of(tl.load(table_ptr + 2 * n_tensors + t).to(tl.pointer_type(tl.float32)), 16)
+        exp_avg_sq = tl.multiple_of(tl.load(table_ptr + 3 * n_tensors + t).to(tl.pointer_type(tl.float32)), 16)
+        numel = tl.load(table_ptr + 4 * n_tensors + t)
+        step_size = tl.load(coef_ptr + t)
+        bias_correction2_sqrt = tl.load(coef_ptr + n_tensors + t)
+        if HAS_DIVISOR:
+            divisor = tl.load(divisor_ptr)
+        for i in range(CHUNK_BLOCKS):
+            first = start + i * BLOCK
+            offs = tl.max_contiguous(tl.multiple_of(first + tl.arange(0, BLOCK), BLOCK), BLOCK)
+            if first + BLOCK <= numel:  # a whole block: no mask, so 128-bit loads and stores
+                _adamw_block(param, grad, exp_avg, exp_avg_sq, offs, None, divisor if HAS_DIVISOR else None,
+                             lr, beta1, beta2, eps, weight_decay, step_size, bias_correction2_sqrt)
+            elif first < numel:  # the tensor's last, partial block
+                _adamw_block(param, grad, exp_avg, exp_avg_sq, offs, offs < numel, divisor if HAS_DIVISOR else None,
+                             lr, beta1, beta2, eps, weight_decay, step_size, bias_correction2_sqrt)
+
+    @triton.jit
+    def _adamw_block(param, grad, exp_avg, exp_avg_sq, offs, mask, divisor,
+                     lr, beta1, beta2, eps, weight_decay, step_size, bias_correction2_sqrt):
+        p = tl.load(param + offs, mask=mask)
+        g = tl.load(grad + offs, mask=mask)
+        m = tl.load(exp_avg + offs, mask=mask)
+        v = tl.load(exp_avg_sq + offs, mask=mask)
+        if divisor is not None:
+            g = tl.div_rn(g, divisor)
+        p = p - lr * weight_decay * p
+        m = beta1 * m + (1 - beta1) * g
+        v = beta2 * v + (1 - beta2) * g * g
+        denom = tl.div_rn(tl.sqrt_rn(v), bias_correction2_sqrt) + eps
+        p = p - tl.div_rn(step_size * m, denom)
+        tl.store(param + offs, p, mask=mask)
+        tl.store(exp_avg + offs, m, mask=mask)
+        tl.store(exp_avg_sq + offs, v, mask=mask)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t._local_tensor if isinstance(t, DTensor) else t
+
+
+def _kernel_takes(tensors: list[torch.Tensor]) -> bool:
+    if triton is None:
+        return False
+    interpreted = os.environ.get("TRITON_INTERPRET") == "1"
+    return all(t.dtype == torch.float32 and t.is_contiguous() and t.data_ptr() % 16 == 0 and (t.is_cuda or interpreted)
+               for t in tensors)
+
+
+class AdamW(torch.optim.AdamW):
+    """``torch.optim.AdamW`` (same arguments, param groups and state) stepped by one Triton kernel
+    per param group (module docstring). ``step(grad_divisor=d)`` divides every gradient by the
+    scalar tensor ``d`` as it reads it, which is how :func:`simplefsdp.train.optimizer.clipped_step`
+    clips. amsgrad, maximize, capturable, differentiable and fused (in the constructor or in a
+    param group) are refused with a ValueError, before any group steps."""
+
+    def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8, weight_decay: float = 1e-2,
+                 **unsupported):
+        if unsupported:
+            raise ValueError(f"simplefsdp AdamW does not take {sorted(unsupported)} (only lr, betas, eps, weight_decay)")
+        if isinstance(lr, torch.Tensor):
+            raise ValueError("simplefsdp AdamW takes lr as a float, not a tensor")
+        super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, foreach=True)
+        self._chunk_maps: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    @torch.no_grad()
+    def step(self, closure=None, *, grad_divisor: torch.Tensor | None = None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for i, group in enumerate(self.param_groups):  # all refused before any group steps
+            for key in ("amsgrad", "maximize", "capturable", "differentiable", "fused"):
+                if group.get(key):
+                    raise ValueError(f"simplefsdp AdamW: param group {i} sets {key}=True, which it does not implement")
+        for group in self.param_groups:
+            params = [p for p in group["params"] if p.grad is not None]
+            kernel, other = [], []
+            for p in params:
+                state = self.state[p]
+                if not state:
+                    state["step"] = torch.tensor(0.0)
+                    state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                    state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                elif state["step"].device.type != "cpu":  # a checkpoint of torch's fused AdamW
+                    state["step"] = state["step"].cpu()
+                tensors = [_local(t) for t in (p, p.grad, state["exp_avg"], state["exp_avg_sq"])]
+                (kernel if _kernel_takes(tensors) else other).append((p, tensors))
+            for device in {tensors[0].device for _, tensors in kernel}:
+                self._kernel_step(group, [e for e in kernel if e[1][0].device == device], grad_divisor)
+            if other:
+                self._foreach_step(group, other, grad_divisor)
+        return loss
+
+    def _foreach_step(self, group, entries, grad_divisor) -> None:
+        params, grads, exp_avgs, exp_avg_sqs = (list(column) for column in zip(*(tensors for _, tensors in entries)))
+        if grad_divisor is not None:
+            grads = torch._foreach_div(grads, grad_divisor.to(grads[0].device))
+        beta1, beta2 = group["betas"]
+        torch_adamw(
+            params, grads, exp_avgs, exp_avg_sqs, [], [self.state[p]["step"] for p, _ in entries],
+            foreach=True, amsgrad=False, beta1=beta1, beta2=beta2, lr=group["lr"],
+            weight_decay=group["weight_decay"], eps=group["eps"], maximize=False)
+
+    def _chunk_map(self, device: torch.device, numels: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(tensor index, first element) of every chunk; cached, as the sizes do not change."""
+        key = (device, numels, BLOCK * CHUNK_BLOCKS)
+        if key not in self._chunk_maps:
+            chunk = BLOCK * CHUNK_BLOCKS
+            counts = torch.tensor([math.ceil(n / chunk) for n in numels])
+            tensor_index = torch.repeat_interleave(torch.arange(len(numels)), counts)
+            first_chunk = torch.cumsum(counts, 0) - counts
+            start = (torch.arange(len(tensor_index)) - first_chunk[tensor_index]) * chunk
+            self._chunk_maps[key] = (tensor_index.to(device, torch.int32), start.to(device, torch.int64))
+        return self._chunk_maps[key]
+
+    def _kernel_step(self, group, entries, grad_divisor) -> None:
+        beta1, beta2 = group["betas"]
+        lr = float(group["lr"])
+        columns = list(zip(*(tensors for _, tensors in entries)))
+        numels = tuple(t.numel() for t in columns[0])
+        steps = []
+        for p, _ in entries:
+            self.state[p]["step"] += 1
+            steps.append(self.state[p]["step"].item())
+        device = columns[0][0].device
+        table = torch.tensor([t.data_ptr() for column in columns for t in column] + list(numels), dtype=torch.int64)
+        coefs = torch.tensor([lr / (1 - beta1**s) for s in steps] + [math.sqrt(1 - beta2**s) for s in steps],
+                             dtype=torch.float32)
+        if device.type == "cuda":
+            table, coefs = (t.pin_memory().to(device, non_blocking=True) for t in (table, coefs))
+        tensor_index, start = self._chunk_map(device, numels)
+        if not len(tensor_index):  # every shard of the group is empty on this rank
+            return
+        divisor = grad_divisor.to(device=device, dtype=torch.float32) if grad_divisor is not None else coefs
+        _adamw_kernel[(len(tensor_index),)](
+            table, coefs, tensor_index, start, divisor, len(numels),
+            lr, beta1, beta2, group["eps"], group["weight_decay"],
+            HAS_DIVISOR=grad_divisor is not None, BLOCK=BLOCK, CHUNK_BLOCKS=CHUNK_BLOCKS, num_warps=NUM_WARPS)
