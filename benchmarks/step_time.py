@@ -16,7 +16,8 @@ time (compile time, with Inductor's caches off so every compile is cold) and whe
 the runs with and without passes are equal bit for bit. With ``--profile`` the compiled SimpleFSDP
 and eager FSDP2 runs are profiled for a few more steps and their GPU time split into communication
 (NCCL kernels), copies and compute, with the communication time during which no other kernel ran
-(exposed).
+(exposed), and by category (matmul, grouped matmul, attention, routing and permutation, copies,
+optimizer, elementwise and norm: ``kernel_category``, from kernel names).
 
 Run plainly it uses one GPU (or the CPU). There every process group has one rank: collectives are
 local copies, so it measures what the compiler does to compute, memory and launch overhead, not
@@ -62,6 +63,25 @@ MODES = {
 REFERENCE = "FSDP2 eager"
 PROFILED = ("SimpleFSDP compiled", "FSDP2 eager", "FSDP2 compiled per block")
 TOP_KERNELS = 12  # the kernels with the most GPU time, kept per profiled run
+# kernel-name fragments (lower case) by category, first match wins; the rest is elementwise and norm
+# work (Inductor's fused pointwise and reduction kernels, torch's elementwise kernels)
+KERNEL_CATEGORIES = (
+    ("communication", ("nccl",)),
+    ("optimizer and clipping", ("adam", "multi_tensor_apply", "lpnorm", "foreach")),
+    ("grouped matmul", ("grouped",)),
+    ("attention", ("flash", "fmha", "attention", "sdpa")),
+    ("matmul", ("gemm", "nvjet", "xmma", "cutlass", "triton_tem", "wgmma", "matmul")),
+    ("routing and permutation", ("sort", "radix", "scan", "topk", "gather", "scatter", "index", "histc", "cumsum",
+                                 "permute_rows", "bincount")),
+    ("copies", ("memcpy", "memset", "copy_kernel", "catarraybatched")),  # not Inductor's "_to_copy" (a cast)
+)
+OTHER_CATEGORY = "elementwise and norm"
+
+
+def kernel_category(name: str) -> str:
+    lower = name.lower()
+    return next((category for category, fragments in KERNEL_CATEGORIES if any(f in lower for f in fragments)),
+                OTHER_CATEGORY)
 
 
 class StepTimer:
@@ -130,6 +150,7 @@ def gpu_time_split(prof) -> dict[str, float]:
     split = {"comm": 0.0, "copy": 0.0, "compute": 0.0}
     spans = {"comm": [], "other": []}
     kernels: dict[str, float] = {}
+    categories = dict.fromkeys([c for c, _ in KERNEL_CATEGORIES] + [OTHER_CATEGORY], 0.0)
     for event in prof.events():
         # kernels only: record_function ranges show up on the device timeline too
         if event.device_type != torch.autograd.DeviceType.CUDA or getattr(event, "is_user_annotation", False):
@@ -138,9 +159,11 @@ def gpu_time_split(prof) -> dict[str, float]:
         kind = "comm" if "nccl" in name else "copy" if name.startswith(("memcpy", "memset")) else "compute"
         split[kind] += event.device_time / 1e6  # microseconds
         kernels[event.name[:80]] = kernels.get(event.name[:80], 0.0) + event.device_time / 1e6
+        categories[kernel_category(event.name)] += event.device_time / 1e6
         spans["comm" if kind == "comm" else "other"].append((event.time_range.start, event.time_range.end))
     split["exposed_comm"] = exposed_time(spans["comm"], spans["other"]) / 1e6
     split["kernels"] = dict(sorted(kernels.items(), key=lambda kv: -kv[1])[:TOP_KERNELS])
+    split["categories"] = categories
     return split
 
 
@@ -157,9 +180,10 @@ def profile_steps(step, steps: int) -> dict:
         wall = (time.perf_counter() - begin) / steps
     split = gpu_time_split(prof)
     kernels = {name: seconds / steps for name, seconds in split.pop("kernels").items()}
+    categories = {name: seconds / steps for name, seconds in split.pop("categories").items()}
     split = {k: v / steps for k, v in split.items()}
     return dict(step_s=wall, **{f"{k}_s": v for k, v in split.items()}, comm_fraction=split["comm"] / wall,
-                exposed_fraction=split["exposed_comm"] / wall, top_kernels_s=kernels)
+                exposed_fraction=split["exposed_comm"] / wall, top_kernels_s=kernels, categories_s=categories)
 
 
 def run_one(model_name: str, mode: str, ac: str, *, warmup: int, steps: int, device: torch.device,
@@ -264,6 +288,14 @@ def markdown(results: list[dict]) -> str:
                 [[r["model"], r["ac"], r["mode"], 1e3 * p["step_s"], _num(1e3 * p["comm_s"], 2), _num(1e3 * p["copy_s"], 2),
                   1e3 * p["compute_s"], _num(100 * p["comm_fraction"], 2), _num(100 * p["exposed_fraction"], 2) if "exposed_fraction" in p else None]
                  for r in profiled for p in [r["profile"]]]))
+            by_category = [r for r in profiled if "categories_s" in r["profile"]]
+            if by_category:
+                names = list(by_category[0]["profile"]["categories_s"])
+                out.append("\nGPU kernel time per step by category, ms (`kernel_category` in step_time.py):\n")
+                out.append(table(["model", "AC", "run", *names, "sum"],
+                                 [[r["model"], r["ac"], r["mode"], *(_num(1e3 * c[n], 2) for n in names),
+                                   _num(1e3 * sum(c.values()), 1)]
+                                  for r in by_category for c in [r["profile"]["categories_s"]]]))
         out.append("")
     return "\n".join(out)
 

@@ -207,6 +207,25 @@ def test_exposed_communication_is_what_no_other_kernel_covers():
     assert step_time.exposed_time([], compute) == 0
 
 
+def test_kernel_categories_from_kernel_names():
+    """Names as the H200 profiles showed them fall in the category the profile table reports."""
+    names = {
+        "ncclDevKernel_AllGather_RING_LL(ncclDevKernelArgsStorage<4096ul>)": "communication",
+        "void at::native::(anonymous namespace)::multi_tensor_apply_kernel<FusedAdamMathFunctor>": "optimizer and clipping",
+        "_adamw_kernel": "optimizer and clipping",
+        "void cutlass::device_kernel<at::cuda::detail::enable_3x_kernel_for_sm9x<GroupedGemmKernel>>": "grouped matmul",
+        "void pytorch_flash::flash_bwd_dq_dk_dv_loop_seqk_parallel_kernel<Flash_bwd_kernel_traits>": "attention",
+        "nvjet_tst_256x128_64x4_1x2_h_bz_coopA_NTT": "matmul",
+        "triton_poi_fused_index_put_new_zeros_2": "routing and permutation",
+        "_permute_rows_kernel": "routing and permutation",
+        "Memcpy DtoD (Device -> Device)": "copies",
+        "void at::native::direct_copy_kernel_cuda(at::TensorIteratorBase&)": "copies",
+        "triton_red_fused__to_copy_add_mean_mul_pow_rsqrt_0": "elementwise and norm",
+        "triton_per_fused_add_mean_mul_pow_rsqrt_3": "elementwise and norm",
+    }
+    assert {name: step_time.kernel_category(name) for name in names} == names
+
+
 def test_multi_gpu_layouts_and_bus_bandwidth():
     assert multi_gpu.fitting_layouts(8) == ["fsdp", "fsdp_ep2", "fsdp_ep8", "fsdp_tp2_ep2", "hsdp_4"]
     assert multi_gpu.fitting_layouts(2) == ["fsdp", "fsdp_ep2", "fsdp_tp2_ep2"]
