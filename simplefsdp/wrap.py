@@ -24,7 +24,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor, Shard
 from torch.utils._pytree import tree_map_only
 
-from simplefsdp import mesh_cache_key, passes, sharding
+from simplefsdp import compile_cache, passes, sharding
 from simplefsdp.eager_reshard import resharding_saved_tensors
 from simplefsdp.hf_generate import sync_generate
 from simplefsdp.mesh_layout import DataParallelLayout, resolve_layout
@@ -374,6 +374,6 @@ def simple_fsdp(
     _install_root_hooks(model, state, mp_policy, reshard_after_forward)
     if _is_hf_model(model):  # generate() keeps every rank stepping until all ranks' sequences end
         sync_generate(model)
-    mesh_cache_key.install()
+    compile_cache.install()
     passes.install(layout.group_names() | ({tokens.group_name} if tokens is not None else set()))
     return model
