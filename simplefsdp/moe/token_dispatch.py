@@ -26,7 +26,7 @@ With tensor parallelism the ep ranks include tp ranks, which hold the same token
 first takes its share of a chunk's sorted rows (a local slice, no communication), dispatches only
 those, and the combined rows are all-gathered over tp again.
 
-The split sizes are read to the host (``tolist``); under torch.compile they become unbacked
+The split sizes are read to the host (:func:`host_ints`); under torch.compile they become unbacked
 symbolic sizes (``capture_scalar_outputs``, which ``simple_fsdp`` turns on when ``ep > 1``), so
 dispatch and combine trace into one graph with the experts, without module state.
 """
@@ -87,6 +87,16 @@ def by_expert(
         orders.append(order)
     outs = [torch.empty_like(out).index_copy(0, order, out) for out, order in zip(run(rows, counts), orders)]
     return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+
+def host_ints(t: torch.Tensor) -> list[list[int]]:
+    """``t.tolist()`` of a 2-D integer tensor. Under torch.compile it reads element by element:
+    Dynamo traces ``tolist`` as one ``item`` per element anyway, but through nodes that carry no
+    example value, for which AOTAutograd bypasses its cache (torch 2.13: "Unsupported call_method
+    target getitem"); indexing first gives the same ``item`` calls on tensor nodes."""
+    if not torch.compiler.is_compiling():
+        return t.tolist()  # eager: one copy to the host, not one per element
+    return [[t[i, j].item() for j in range(t.shape[1])] for i in range(t.shape[0])]
 
 
 def token_group(ep_mesh: DeviceMesh, ep_ranks: list[list[int]] | None) -> dist.ProcessGroup:
@@ -181,8 +191,8 @@ class TokenDispatcher:
             send.transpose(0, 1).reshape(-1), [chunks * experts] * ranks, [chunks * experts] * ranks, self.group
         )
         recv = funcol.wait_tensor(recv).view(ranks, chunks, experts).transpose(0, 1)
-        send_splits = send.sum(2).tolist()
-        recv_splits = recv.sum(2).tolist()
+        send_splits = host_ints(send.sum(2))
+        recv_splits = host_ints(recv.sum(2))
         return list(recv.unbind(0)), send_splits, recv_splits
 
     def __call__(

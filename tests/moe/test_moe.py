@@ -228,12 +228,11 @@ def _compiled_ep_losses():
 def test_ep_layout_runs_twice_from_one_shared_cache_dir(tmp_path, monkeypatch):
     """Ranks of different ep groups (ranks 0 and 2: groups {0, 1} and {2, 3}) share one cache dir.
 
-    The second launch reads what the first wrote: every rank's Inductor graphs hit the cache, and
-    nothing misses (the meshes pickle into the keys alike in every process:
-    ``simplefsdp.mesh_cache_key``). AOTAutograd bypasses its cache here: torch does not cache a
-    graph holding an ``autograd.Function`` (the expert gradients' divide). No rank may load another
-    group's artifacts ("Could not resolve the process group registered under the name N" on torch
-    2.13).
+    The second launch reads what the first wrote: every rank's AOTAutograd and Inductor graphs hit
+    the cache, and nothing misses or bypasses (the meshes pickle into the keys alike in every
+    process, and the expert gradients' ``autograd.Function`` may be cached while torch compiles:
+    ``simplefsdp.compile_cache``). No rank may load another group's artifacts ("Could not resolve
+    the process group registered under the name N" on torch 2.13).
     """
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
     first = run_ranks(_compiled_ep_losses, 4)
@@ -242,8 +241,8 @@ def test_ep_layout_runs_twice_from_one_shared_cache_dir(tmp_path, monkeypatch):
     losses = [out[0] for out in first + second]
     assert all(loss == losses[0] for loss in losses)
     for rank, (_, seen) in enumerate(second):
-        misses = {k: v for k, v in seen.items() if k.endswith("_miss")}
-        assert seen.get("fxgraph_cache_hit") and not misses, (rank, seen)
+        misses = {k: v for k, v in seen.items() if k.endswith(("_miss", "_bypass"))}
+        assert seen.get("fxgraph_cache_hit") and seen.get("autograd_cache_hit") and not misses, (rank, seen)
 
 
 def _expect_error(match, mesh_shape=(8,), names=("dp_shard",), ep=2, cfg=MOE, model=None):
@@ -280,3 +279,34 @@ def test_ep_without_experts(fake_world):
 
 def test_ep_must_divide_dp_shard_times_tp(fake_world):
     _expect_error(r"ep=3 does not divide the dp_shard x tp degree 8", ep=3, mesh_shape=(4, 2), names=("dp_shard", "tp"))
+
+
+def test_split_sizes_read_under_compile_leave_the_graph_cacheable():
+    """``host_ints`` under torch.compile gives ``tolist``'s values through nodes AOTAutograd's cache
+    accepts; ``tolist`` itself makes it bypass the cache (torch 2.13), which is what this checks
+    against, on the Dynamo graph each one traces."""
+    from torch._functorch._aot_autograd.autograd_cache import BypassAOTAutogradCache, check_cacheable
+
+    from simplefsdp.moe.token_dispatch import host_ints
+
+    verdicts = {}
+
+    def backend_for(name):
+        def backend(gm, example_inputs):
+            try:
+                check_cacheable(gm)
+                verdicts[name] = "cacheable"
+            except BypassAOTAutogradCache as e:
+                verdicts[name] = f"bypass: {e}"
+            return gm
+        return backend
+
+    counts = torch.tensor([[3, 0, 5], [1, 2, 4]])
+    with torch._dynamo.config.patch(capture_scalar_outputs=True):
+        for name, read in (("host_ints", host_ints), ("tolist", lambda t: t.tolist())):
+            torch._dynamo.reset()
+            got = torch.compile(lambda t: read(t * 1), backend=backend_for(name), fullgraph=True)(counts)
+            assert got == [[3, 0, 5], [1, 2, 4]], name
+    torch._dynamo.reset()
+    assert verdicts["host_ints"] == "cacheable"
+    assert verdicts["tolist"].startswith("bypass: Unsupported call_method target")
