@@ -20,10 +20,11 @@ The update is torch's (``param -= lr * wd * param``, moments, ``param -= step_si
 sqrt(bc2) + eps)``) with correctly rounded square roots and divisions; it may differ from torch's
 fused kernel in the last bit (operation order).
 
-The kernel takes contiguous float32 tensors on CUDA (or on the CPU under Triton's interpreter,
-``TRITON_INTERPRET=1``, which the tests use). Every other tensor (CPU training, bf16 parameters)
-steps through torch's multi-tensor AdamW (``foreach``), given the gradients already divided (a copy,
-so there too the gradients are left as they were). State is kept as torch's AdamW keeps it
+The kernel takes contiguous float32 or bfloat16 tensors on CUDA (or on the CPU under Triton's
+interpreter, ``TRITON_INTERPRET=1``, which the tests use), computing in fp32 as torch's fused kernel
+does; one launch per (device, dtype) of a group. Every other tensor (CPU training, fp16) steps
+through torch's multi-tensor AdamW (``foreach``), given the gradients already divided (a copy, so
+there too the gradients are left as they were). State is kept as torch's AdamW keeps it
 (``step`` a CPU scalar, ``exp_avg``, ``exp_avg_sq`` shaped and placed like the parameter, DTensors
 for DTensor parameters), so checkpoints move between the two.
 """
@@ -53,15 +54,16 @@ if triton is not None:
     @triton.jit
     def _adamw_kernel(table_ptr, coef_ptr, chunk_tensor_ptr, chunk_start_ptr, divisor_ptr, n_tensors,
                       lr, beta1, beta2, eps, weight_decay,
-                      HAS_DIVISOR: tl.constexpr, BLOCK: tl.constexpr, CHUNK_BLOCKS: tl.constexpr):
+                      DTYPE: tl.constexpr, HAS_DIVISOR: tl.constexpr, BLOCK: tl.constexpr,
+                      CHUNK_BLOCKS: tl.constexpr):
         chunk = tl.program_id(0)
         t = tl.load(chunk_tensor_ptr + chunk)
         start = tl.load(chunk_start_ptr + chunk)
         # every address is 16-byte aligned (the host checks): 128-bit loads and stores
-        param = tl.multiple_of(tl.load(table_ptr + t).to(tl.pointer_type(tl.float32)), 16)
-        grad = tl.multiple_of(tl.load(table_ptr + n_tensors + t).to(tl.pointer_type(tl.float32)), 16)
-        exp_avg = tl.multiple_of(tl.load(table_ptr + 2 * n_tensors + t).to(tl.pointer_type(tl.float32)), 16)
-        exp_avg_sq = tl.multiple_of(tl.load(table_ptr + 3 * n_tensors + t).to(tl.pointer_type(tl.float32)), 16)
+        param = tl.multiple_of(tl.load(table_ptr + t).to(tl.pointer_type(DTYPE)), 16)
+        grad = tl.multiple_of(tl.load(table_ptr + n_tensors + t).to(tl.pointer_type(DTYPE)), 16)
+        exp_avg = tl.multiple_of(tl.load(table_ptr + 2 * n_tensors + t).to(tl.pointer_type(DTYPE)), 16)
+        exp_avg_sq = tl.multiple_of(tl.load(table_ptr + 3 * n_tensors + t).to(tl.pointer_type(DTYPE)), 16)
         numel = tl.load(table_ptr + 4 * n_tensors + t)
         step_size = tl.load(coef_ptr + t)
         bias_correction2_sqrt = tl.load(coef_ptr + n_tensors + t)
@@ -80,10 +82,11 @@ if triton is not None:
     @triton.jit
     def _adamw_block(param, grad, exp_avg, exp_avg_sq, offs, mask, divisor,
                      lr, beta1, beta2, eps, weight_decay, step_size, bias_correction2_sqrt):
-        p = tl.load(param + offs, mask=mask)
-        g = tl.load(grad + offs, mask=mask)
-        m = tl.load(exp_avg + offs, mask=mask)
-        v = tl.load(exp_avg_sq + offs, mask=mask)
+        # math in fp32 (torch's fused kernel: opmath), stored in the tensors' dtype
+        p = tl.load(param + offs, mask=mask).to(tl.float32)
+        g = tl.load(grad + offs, mask=mask).to(tl.float32)
+        m = tl.load(exp_avg + offs, mask=mask).to(tl.float32)
+        v = tl.load(exp_avg_sq + offs, mask=mask).to(tl.float32)
         if divisor is not None:
             g = tl.div_rn(g, divisor)
         p = p - lr * weight_decay * p
@@ -91,9 +94,12 @@ if triton is not None:
         v = beta2 * v + (1 - beta2) * g * g
         denom = tl.div_rn(tl.sqrt_rn(v), bias_correction2_sqrt) + eps
         p = p - tl.div_rn(step_size * m, denom)
-        tl.store(param + offs, p, mask=mask)
-        tl.store(exp_avg + offs, m, mask=mask)
-        tl.store(exp_avg_sq + offs, v, mask=mask)
+        tl.store(param + offs, p.to(param.dtype.element_ty), mask=mask)
+        tl.store(exp_avg + offs, m.to(exp_avg.dtype.element_ty), mask=mask)
+        tl.store(exp_avg_sq + offs, v.to(exp_avg_sq.dtype.element_ty), mask=mask)
+
+
+_KERNEL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16} if triton is not None else {}
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -101,11 +107,12 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 
 def _kernel_takes(tensors: list[torch.Tensor]) -> bool:
+    """Parameter, gradient and moments: contiguous, 16-byte aligned, of one dtype the kernel has."""
     if triton is None:
         return False
     interpreted = os.environ.get("TRITON_INTERPRET") == "1"
-    return all(t.dtype == torch.float32 and t.is_contiguous() and t.data_ptr() % 16 == 0 and (t.is_cuda or interpreted)
-               for t in tensors)
+    return all(t.dtype == tensors[0].dtype in _KERNEL_DTYPES and t.is_contiguous() and t.data_ptr() % 16 == 0
+               and (t.is_cuda or interpreted) for t in tensors)
 
 
 class AdamW(torch.optim.AdamW):
@@ -147,8 +154,9 @@ class AdamW(torch.optim.AdamW):
                     state["step"] = state["step"].cpu()
                 tensors = [_local(t) for t in (p, p.grad, state["exp_avg"], state["exp_avg_sq"])]
                 (kernel if _kernel_takes(tensors) else other).append((p, tensors))
-            for device in {tensors[0].device for _, tensors in kernel}:
-                self._kernel_step(group, [e for e in kernel if e[1][0].device == device], grad_divisor)
+            for device, dtype in {(tensors[0].device, tensors[0].dtype) for _, tensors in kernel}:
+                same = [e for e in kernel if (e[1][0].device, e[1][0].dtype) == (device, dtype)]
+                self._kernel_step(group, same, grad_divisor)
             if other:
                 self._foreach_step(group, other, grad_divisor)
         return loss
@@ -197,4 +205,5 @@ class AdamW(torch.optim.AdamW):
         _adamw_kernel[(len(tensor_index),)](
             table, coefs, tensor_index, start, divisor, len(numels),
             lr, beta1, beta2, group["eps"], group["weight_decay"],
-            HAS_DIVISOR=grad_divisor is not None, BLOCK=BLOCK, CHUNK_BLOCKS=CHUNK_BLOCKS, num_warps=NUM_WARPS)
+            DTYPE=_KERNEL_DTYPES[columns[0][0].dtype], HAS_DIVISOR=grad_divisor is not None, BLOCK=BLOCK,
+            CHUNK_BLOCKS=CHUNK_BLOCKS, num_warps=NUM_WARPS)

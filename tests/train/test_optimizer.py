@@ -207,6 +207,22 @@ for a, b in zip(models[0].parameters(), models[1].parameters()):
         assert relative <= 1e-6, (tuple(x.shape), relative)
         worst = max(worst, relative)
     assert ours.state[a]["step"].item() == 3.0 and ours.state[a]["step"].device.type == "cpu"
+
+# bf16 parameters, gradients and moments (math in fp32), one step on the same gradients: each
+# element within one bf16 rounding of torch's fused step (the fp32 results differ in the last bits)
+gen = torch.Generator().manual_seed(1)
+start = [torch.randn(shape, generator=gen).bfloat16() for shape in ((300,), (7, 50))]
+mine, theirs = ([torch.nn.Parameter(t.clone()) for t in start] for _ in range(2))
+bf16 = [adamw.AdamW(mine, lr=1e-2), torch.optim.AdamW(theirs, lr=1e-2, fused=True)]
+for p, q, t in zip(mine, theirs, start):
+    p.grad = torch.randn(t.shape, generator=gen).bfloat16()
+    q.grad = p.grad.clone()
+for optimizer in bf16:
+    optimizer.step()
+for a, b in zip(mine, theirs):
+    for x, y in [(a, b), *((bf16[0].state[a][k], bf16[1].state[b][k]) for k in ("exp_avg", "exp_avg_sq"))]:
+        x, y = x.detach().float(), y.detach().float()
+        assert ((x - y).abs() <= 2**-7 * y.abs()).all(), (x.shape, (x - y).abs().max())  # one bf16 ulp
 print(f"kernel ok, largest relative difference {worst:.3g}")
 """
 
@@ -214,8 +230,9 @@ print(f"kernel ok, largest relative difference {worst:.3g}")
 def test_triton_kernel_matches_torch_fused_adamw_with_clipping():
     """The multi-tensor kernel (Triton's interpreter on the CPU, small chunks so tensors span
     several and end mid-chunk), over the dense and the expert mesh's shards, with clipping folded
-    in: parameters and both moments within 1e-6 of their largest element of clipping first and then torch's fused
-    AdamW, over three steps; the gradients are never written; no tensor takes the torch path."""
+    in: parameters and both moments within 1e-6 of their largest element of clipping first and
+    then torch's fused AdamW, over three steps; the gradients are never written; no tensor takes
+    the torch path. In bf16 (math in fp32), within one bf16 rounding."""
     pytest.importorskip("triton")
     pytest.importorskip("numpy")  # Triton's interpreter computes with numpy
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -255,9 +272,9 @@ def test_on_gpu_kernel_matches_torch_fused_adamw():
 
 
 def test_kernel_compiles_for_hopper_with_128_bit_loads_and_stores():
-    """Without a GPU: Triton compiles the kernel for sm_90 (an H100/H200), with and without the
-    clip divisor, and a whole block moves each of its four inputs with 128-bit loads and its three
-    outputs with 128-bit stores (the addresses' alignment hints and the unmasked branch are what
+    """Without a GPU: Triton compiles the kernel for sm_90 (an H100/H200), fp32 and bf16, with and
+    without the clip divisor, and a whole block moves each of its four inputs with 128-bit loads
+    and its three outputs with 128-bit stores (the addresses' alignment hints and the unmasked branch are what
     make them so; a masked load of unknown alignment compiles to 32-bit loads)."""
     triton = pytest.importorskip("triton")
     from triton.backends.compiler import GPUTarget
@@ -267,11 +284,13 @@ def test_kernel_compiles_for_hopper_with_128_bit_loads_and_stores():
 
     signature = {"table_ptr": "*i64", "coef_ptr": "*fp32", "chunk_tensor_ptr": "*i32", "chunk_start_ptr": "*i64",
                  "divisor_ptr": "*fp32", "n_tensors": "i32", "lr": "fp32", "beta1": "fp32", "beta2": "fp32",
-                 "eps": "fp32", "weight_decay": "fp32", "HAS_DIVISOR": "constexpr", "BLOCK": "constexpr",
-                 "CHUNK_BLOCKS": "constexpr"}
-    for has_divisor in (True, False):
-        source = ASTSource(fn=_adamw_kernel, signature=signature,
-                           constexprs={"HAS_DIVISOR": has_divisor, "BLOCK": 2048, "CHUNK_BLOCKS": 8})
-        ptx = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 8}).asm["ptx"]
-        # 2048 elements over 256 threads: 8 per thread, two 128-bit accesses per array
-        assert ptx.count("ld.global.v4.b32") == 4 * 2 and ptx.count("st.global.v4.b32") == 3 * 2, has_divisor
+                 "eps": "fp32", "weight_decay": "fp32", "DTYPE": "constexpr", "HAS_DIVISOR": "constexpr",
+                 "BLOCK": "constexpr", "CHUNK_BLOCKS": "constexpr"}
+    # 2048 elements over 256 threads: 8 per thread, so two 128-bit accesses per fp32 array, one per bf16 array
+    for dtype, per_array in ((triton.language.float32, 2), (triton.language.bfloat16, 1)):
+        for has_divisor in (True, False):
+            constexprs = {"DTYPE": dtype, "HAS_DIVISOR": has_divisor, "BLOCK": 2048, "CHUNK_BLOCKS": 8}
+            source = ASTSource(fn=_adamw_kernel, signature=signature, constexprs=constexprs)
+            ptx = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 8}).asm["ptx"]
+            loads, stores = ptx.count("ld.global.v4.b32"), ptx.count("st.global.v4.b32")
+            assert (loads, stores) == (4 * per_array, 3 * per_array), (dtype, has_divisor, loads, stores)
