@@ -1,7 +1,7 @@
 """What SimpleFSDP sets while torch compiles, so that a second process hits the compile caches.
 
 Dynamo's compile-start and compile-end callbacks (which also bracket a backward compiled lazily)
-bracket two settings; both are undone when the compile ends, and what was there before is put
+bracket these settings; each is undone when the compile ends, and what was there before is put
 back.
 
 * **DeviceMesh in cache keys.** A compiled DTensor graph takes its DeviceMesh as an input (on
@@ -22,15 +22,31 @@ back.
   while torch tests it more widely; pytorch/pytorch#149751 found the op pure in its inputs). It is
   on while torch compiles, for every autograd.Function in the compiled graph (a user's too);
   torch versions without the setting are left as they are.
+* **DTensor calls as Dynamo traces them on torch 2.11.** Dynamo 2.11 puts ``DTensor.from_local``,
+  ``redistribute`` and ``to_local`` (which every gather calls) into its graph as closures made on
+  the fly, their mesh and placements captured in the closure, not in the graph
+  (pytorch/pytorch#152829). AOTAutograd cannot key a closure, so it bypassed its cache for every
+  graph with a gather (pytorch/pytorch#167349). While such a torch compiles, a pre-grad pass
+  (which runs before AOTAutograd computes its key) rewrites each of those three closures into
+  :func:`dtensor_call`, whose first argument is a key naming the closure and every value it
+  captured (mesh ranks, dim names and process groups; placements by their repr; dtypes). The key
+  is in the graph's code, so it is in the cache key, and two graphs that differ only in what a
+  closure captured get different keys; ``dtensor_call`` looks the closure up by it in this
+  process and calls it, so tracing runs exactly what it ran before. A closure holding anything
+  the key cannot name stays as it was (and the graph is not cached, as before). torch 2.13's
+  Dynamo traces these calls without closures, so there nothing is set.
 """
 
 from __future__ import annotations
 
 import copyreg
 import pickle
+from typing import Any, Callable
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Partial, Replicate, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
 
 _NOTHING = object()
 _before = [_NOTHING]  # the dispatch-table entry our reducer stands in for, while a compile runs
@@ -46,6 +62,84 @@ def _reduce_mesh(mesh: DeviceMesh):
     return (*reduced[:2], state, *reduced[3:])
 
 
+# Dynamo's on-the-fly DTensor closures (torch 2.11) that call a DTensor function or method with
+# the values they captured: DTensor.from_local, DTensor.redistribute, DTensor.to_local
+_DYNAMO_DTENSOR_CLOSURES = frozenset({
+    "TorchInGraphFunctionVariable._get_handlers.<locals>.handle_from_local.<locals>.fn_with_prim_types",
+    "TensorVariable.method_redistribute.<locals>.redistribute_fn_with_prim_types",
+    "TensorVariable.method_to_local.<locals>.to_local_fn_with_prim_types",
+})
+_PLACEMENTS = (Shard, _StridedShard, Replicate, Partial)
+_closures: dict[str, Callable] = {}  # dtensor_call's key -> a closure Dynamo made, in this process
+_DTENSOR_CALL = f"{__name__}.dtensor_call"
+_pass_before = [_NOTHING]  # inductor's pre_grad_custom_pass before the compile started
+_marked_before = [_NOTHING]  # whether dtensor_call was marked cacheable before
+
+
+def dtensor_call(key: str, *args: Any, **kwargs: Any) -> Any:
+    """Call the Dynamo DTensor closure that ``key`` names (see the module docstring)."""
+    return _closures[key](*args, **kwargs)
+
+
+class _Unnamed(Exception):
+    """A captured value the key cannot name."""
+
+
+def _stable_name(value: Any) -> str:
+    """A string for ``value`` that is the same in every process, or :class:`_Unnamed`."""
+    if value is None or isinstance(value, (bool, int, float, str, torch.dtype, torch.device)):
+        return repr(value)
+    if isinstance(value, (tuple, list)):
+        return f"{type(value).__name__}({', '.join(map(_stable_name, value))})"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{k!r}: {_stable_name(v)}" for k, v in sorted(value.items(), key=lambda kv: repr(kv[0]))) + "}"
+    if isinstance(value, DeviceMesh):
+        groups = [value.get_group(i).group_name for i in range(value.ndim)]
+        return f"DeviceMesh({value.device_type!r}, {value.mesh.tolist()}, {value.mesh_dim_names!r}, {groups!r})"
+    if type(value) in _PLACEMENTS:  # exact types: their repr shows all their state
+        return repr(value)
+    function = getattr(value, "value", None)  # the VariableTracker of the function from_local calls
+    if type(value).__module__.startswith("torch._dynamo.variables") and callable(function):
+        return f"{type(value).__name__}({function.__module__}.{function.__qualname__})"
+    raise _Unnamed(type(value).__qualname__)
+
+
+def _closure_key(closure: Callable) -> str:
+    captured = zip(closure.__code__.co_freevars, (cell.cell_contents for cell in closure.__closure__ or ()))
+    return f"{closure.__qualname__}: " + "; ".join(f"{name}={_stable_name(value)}" for name, value in captured)
+
+
+def name_dtensor_closures(graph: torch.fx.Graph) -> None:
+    """Rewrite Dynamo's DTensor closures in ``graph`` into :func:`dtensor_call` with a key."""
+    for node in graph.nodes:
+        if node.op != "call_function" or getattr(node.target, "__qualname__", None) not in _DYNAMO_DTENSOR_CLOSURES:
+            continue
+        try:
+            key = _closure_key(node.target)
+        except _Unnamed:
+            continue
+        _closures[key] = node.target
+        node.target = dtensor_call
+        node.args = (key, *node.args)
+
+
+def _dynamo_makes_dtensor_closures() -> bool:
+    from torch._dynamo.variables.tensor import TensorVariable
+
+    return hasattr(TensorVariable, "method_to_local")
+
+
+def _pre_grad_pass(user_pass: Callable | None) -> Callable:
+    if user_pass is None:
+        return name_dtensor_closures
+
+    def both(graph: torch.fx.Graph) -> None:
+        name_dtensor_closures(graph)
+        user_pass(graph)
+
+    return both
+
+
 def _on_compile_start(_args) -> None:
     current = copyreg.dispatch_table.get(DeviceMesh, _NOTHING)
     if current is not _reduce_mesh:
@@ -55,6 +149,14 @@ def _on_compile_start(_args) -> None:
     if hasattr(config, _ALLOW_FUNCTIONS) and _allow_before[0] is _NOTHING:
         _allow_before[0] = getattr(config, _ALLOW_FUNCTIONS)
         setattr(config, _ALLOW_FUNCTIONS, True)
+    if _dynamo_makes_dtensor_closures() and _pass_before[0] is _NOTHING:
+        inductor = torch._inductor.config
+        _pass_before[0] = inductor.pre_grad_custom_pass
+        inductor.pre_grad_custom_pass = _pre_grad_pass(inductor.pre_grad_custom_pass)
+        _marked_before[0] = inductor.unsafe_marked_cacheable_functions.get(_DTENSOR_CALL, _NOTHING)
+        # a new dict: the setting is read into config snapshots, so it is replaced, not changed
+        inductor.unsafe_marked_cacheable_functions = {**inductor.unsafe_marked_cacheable_functions,
+                                                      _DTENSOR_CALL: "the key argument names the call"}
 
 
 def _on_compile_end(_args) -> None:
@@ -67,6 +169,15 @@ def _on_compile_end(_args) -> None:
     allow_before, _allow_before[0] = _allow_before[0], _NOTHING
     if allow_before is not _NOTHING:
         setattr(torch._functorch.config, _ALLOW_FUNCTIONS, allow_before)
+    pass_before, _pass_before[0] = _pass_before[0], _NOTHING
+    if pass_before is not _NOTHING:
+        inductor = torch._inductor.config
+        inductor.pre_grad_custom_pass = pass_before
+        marked = {k: v for k, v in inductor.unsafe_marked_cacheable_functions.items() if k != _DTENSOR_CALL}
+        if _marked_before[0] is not _NOTHING:
+            marked[_DTENSOR_CALL] = _marked_before[0]
+        inductor.unsafe_marked_cacheable_functions = marked
+        _marked_before[0] = _NOTHING
 
 
 def install() -> None:
