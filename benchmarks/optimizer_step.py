@@ -2,7 +2,7 @@
 
 Builds a config's model as the training entry point does (``build``, one GPU, SimpleFSDP eager),
 runs one forward and backward for real gradients, then times on the same parameters and
-gradients, with CUDA events (median of ``--steps`` after ``--warmup``):
+gradients, with CUDA events around ``--steps`` calls queued back to back (median of 5 such runs):
 
 * the grouped gradient norm alone, and clipping by it (a read and a write of every gradient);
 * AdamW: torch's fused kernel over the grouped parameters (the previous default), alone and with
@@ -45,16 +45,21 @@ from simplefsdp.train.optimizer import clipped_step, make_optimizer, param_group
 BANDWIDTH = {"H200": 4.8e12, "H100": 3.35e12}  # bytes/s, HBM peak
 
 
-def median_ms(fn, warmup: int, steps: int) -> float:
+def median_ms(fn, warmup: int, steps: int, repeats: int = 5) -> float:
+    """GPU milliseconds per call: ``steps`` calls back to back between two CUDA events (the host
+    queues ahead, as in a training step, so its own work per call is hidden unless it is the
+    longer), the median over ``repeats`` such runs after ``warmup`` calls."""
+    for _ in range(warmup):
+        fn()
     times = []
-    for i in range(warmup + steps):
+    for _ in range(repeats):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        fn()
+        for _ in range(steps):
+            fn()
         end.record()
         end.synchronize()
-        if i >= warmup:
-            times.append(start.elapsed_time(end))
+        times.append(start.elapsed_time(end) / steps)
     return statistics.median(times)
 
 

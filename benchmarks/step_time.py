@@ -68,7 +68,7 @@ TOP_KERNELS = 12  # the kernels with the most GPU time, kept per profiled run
 KERNEL_CATEGORIES = (
     ("communication", ("nccl",)),
     ("optimizer and clipping", ("adam", "multi_tensor_apply", "lpnorm", "foreach")),
-    ("grouped matmul", ("grouped",)),
+    ("grouped matmul", ("grouped", "groupproblemshape", "ptrarray")),  # CUTLASS grouped GEMM: GroupProblemShape
     ("attention", ("flash", "fmha", "attention", "sdpa")),
     ("matmul", ("gemm", "nvjet", "xmma", "cutlass", "triton_tem", "wgmma", "matmul")),
     ("routing and permutation", ("sort", "radix", "scan", "topk", "gather", "scatter", "index", "histc", "cumsum",
@@ -158,7 +158,7 @@ def gpu_time_split(prof) -> dict[str, float]:
         name = event.name.lower()
         kind = "comm" if "nccl" in name else "copy" if name.startswith(("memcpy", "memset")) else "compute"
         split[kind] += event.device_time / 1e6  # microseconds
-        kernels[event.name[:80]] = kernels.get(event.name[:80], 0.0) + event.device_time / 1e6
+        kernels[event.name[:160]] = kernels.get(event.name[:160], 0.0) + event.device_time / 1e6
         categories[kernel_category(event.name)] += event.device_time / 1e6
         spans["comm" if kind == "comm" else "other"].append((event.time_range.start, event.time_range.end))
     split["exposed_comm"] = exposed_time(spans["comm"], spans["other"]) / 1e6
