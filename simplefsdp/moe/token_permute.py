@@ -60,7 +60,10 @@ def _permute_rows(x: torch.Tensor, index: torch.Tensor, inverse: torch.Tensor) -
     cols = math.prod(x.shape[1:])  # not x[0].numel(): the row count may be unbacked (ep dispatch)
     block = min(1024, triton.next_power_of_2(cols))
     grid = (index.shape[0], triton.cdiv(cols, block))
-    torch.library.wrap_triton(_permute_rows_kernel)[grid](x, index, out, cols, BLOCK=block)
+    # wrap_triton lets torch.compile trace the launch; torch 2.11 refuses the interpreter's
+    # functions, and the interpreter only runs eagerly on the CPU, so that launch is direct
+    kernel = torch.library.wrap_triton(_permute_rows_kernel) if x.is_cuda else _permute_rows_kernel
+    kernel[grid](x, index, out, cols, BLOCK=block)
     return out
 
 
