@@ -72,8 +72,8 @@ _DYNAMO_DTENSOR_CLOSURES = frozenset({
 _PLACEMENTS = (Shard, _StridedShard, Replicate, Partial)
 _closures: dict[str, Callable] = {}  # dtensor_call's key -> a closure Dynamo made, in this process
 _DTENSOR_CALL = f"{__name__}.dtensor_call"
-_pass_before = [_NOTHING]  # inductor's pre_grad_custom_pass before the compile started
-_marked_before = [_NOTHING]  # whether dtensor_call was marked cacheable before
+# inductor's pre_grad_custom_pass and unsafe_marked_cacheable_functions before the compile started
+_inductor_before = [_NOTHING]
 
 
 def dtensor_call(key: str, *args: Any, **kwargs: Any) -> Any:
@@ -149,12 +149,11 @@ def _on_compile_start(_args) -> None:
     if hasattr(config, _ALLOW_FUNCTIONS) and _allow_before[0] is _NOTHING:
         _allow_before[0] = getattr(config, _ALLOW_FUNCTIONS)
         setattr(config, _ALLOW_FUNCTIONS, True)
-    if _dynamo_makes_dtensor_closures() and _pass_before[0] is _NOTHING:
+    if _dynamo_makes_dtensor_closures() and _inductor_before[0] is _NOTHING:
         inductor = torch._inductor.config
-        _pass_before[0] = inductor.pre_grad_custom_pass
+        _inductor_before[0] = (inductor.pre_grad_custom_pass, inductor.unsafe_marked_cacheable_functions)
         inductor.pre_grad_custom_pass = _pre_grad_pass(inductor.pre_grad_custom_pass)
-        _marked_before[0] = inductor.unsafe_marked_cacheable_functions.get(_DTENSOR_CALL, _NOTHING)
-        # a new dict: the setting is read into config snapshots, so it is replaced, not changed
+        # a new dict, so the one saved above is what the end of the compile puts back unchanged
         inductor.unsafe_marked_cacheable_functions = {**inductor.unsafe_marked_cacheable_functions,
                                                       _DTENSOR_CALL: "the key argument names the call"}
 
@@ -169,15 +168,10 @@ def _on_compile_end(_args) -> None:
     allow_before, _allow_before[0] = _allow_before[0], _NOTHING
     if allow_before is not _NOTHING:
         setattr(torch._functorch.config, _ALLOW_FUNCTIONS, allow_before)
-    pass_before, _pass_before[0] = _pass_before[0], _NOTHING
-    if pass_before is not _NOTHING:
+    inductor_before, _inductor_before[0] = _inductor_before[0], _NOTHING
+    if inductor_before is not _NOTHING:
         inductor = torch._inductor.config
-        inductor.pre_grad_custom_pass = pass_before
-        marked = {k: v for k, v in inductor.unsafe_marked_cacheable_functions.items() if k != _DTENSOR_CALL}
-        if _marked_before[0] is not _NOTHING:
-            marked[_DTENSOR_CALL] = _marked_before[0]
-        inductor.unsafe_marked_cacheable_functions = marked
-        _marked_before[0] = _NOTHING
+        inductor.pre_grad_custom_pass, inductor.unsafe_marked_cacheable_functions = inductor_before
 
 
 def install() -> None:
