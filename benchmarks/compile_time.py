@@ -6,13 +6,14 @@ the debug MoE model (one dense block, the rest MoE) with ``--layers`` blocks, wr
 forward and backward timed (the fake group moves no data, so this is compile time). Prints a table
 and writes ``--out``.
 
-Layouts: ``fsdp8`` (ep 1, no resharding; whole model and blocks compiled once) and
-``fsdp8xep2`` (FSDP8 x EP2 with resharding after forward; whole model only, as blocks compiled
-once refuse both). Under the fake group every router score ties and the counts exchange moves no
+Layouts: ``fsdp8`` (ep 1, no resharding) and ``fsdp8-reshard`` (ep 1, resharding after forward),
+each whole model and blocks compiled once, and ``fsdp8xep2`` (FSDP8 x EP2 with resharding; whole
+model only, as blocks compiled once refuse routed experts under ep). Under the fake group every router score ties and the counts exchange moves no
 data, so for ep a router bias on one expert per ep rank sends rows to both ep ranks (as the graph
 tests do).
 
     python benchmarks/compile_time.py --layers 2,8 --out benchmarks/results/compile_time_cpu.json
+    python benchmarks/compile_time.py --layers 2,8 --layout fsdp8-reshard --out benchmarks/results/compile_time_cpu_reshard.json
     python benchmarks/compile_time.py --layers 2,8 --layout fsdp8xep2 --out benchmarks/results/compile_time_cpu_ep2.json
 """
 
@@ -29,6 +30,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # layout -> (ep, reshard_after_forward, modes)
 LAYOUTS = {
     "fsdp8": (1, False, ("whole", "blocks once")),
+    "fsdp8-reshard": (1, True, ("whole", "blocks once")),
     "fsdp8xep2": (2, True, ("whole",)),
 }
 

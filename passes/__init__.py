@@ -21,37 +21,25 @@ from __future__ import annotations
 
 import torch
 import torch._dynamo.callback
-from torch._inductor import custom_graph_pass
-from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
+from torch._inductor.custom_graph_pass import CustomGraphPass
 
 from simplefsdp.passes.a2a_overlap import AllToAllOverlap
 from simplefsdp.passes.block_region_check import check_block_regions
+from simplefsdp.passes.chain import InferenceAware, PassChain
 from simplefsdp.passes.fsdp_bucketing import FSDPBucketing
 from simplefsdp.passes.fsdp_prefetch import FSDPPrefetch
 from simplefsdp.passes.fx_utils import collective_sequences
 from simplefsdp.passes.gloo_one_in_flight import GlooOneInFlight
+from simplefsdp.passes.region_saves import RegionSaves
 
 BUCKETING = ("all", "reduce_scatter", "none")
 DEFAULT_BUCKETING = "all"
 
 
-# torch 2.13 lets a pass ask whether the graph is an inference graph; torch 2.11 does not
-_InferenceAware = getattr(custom_graph_pass, "CustomInferenceAwareGraphPass", None)
 _GROUPS: set[str] = set()  # process groups of models wrapped by simple_fsdp
 
 
-def _user_passes(user_pass) -> tuple:
-    """A user's ``post_grad_custom_post_pass`` in any form torch accepts, as a tuple of passes."""
-    if user_pass is None:
-        return ()
-    if isinstance(user_pass, SimpleFSDPPasses):
-        return user_pass.user_passes
-    if isinstance(user_pass, (list, tuple)):
-        return tuple(p for item in user_pass for p in _user_passes(item))
-    return (user_pass,)
-
-
-class SimpleFSDPPasses(_InferenceAware or CustomGraphPass):
+class SimpleFSDPPasses(PassChain, InferenceAware or CustomGraphPass):
     """Our post-grad passes in order, then the user's; caches by all of their uuids.
 
     Ours run only on graphs with a collective on a process group of a model that ``simple_fsdp``
@@ -96,29 +84,17 @@ class SimpleFSDPPasses(_InferenceAware or CustomGraphPass):
         if prefetch:
             self.passes.append(FSDPPrefetch(prefetch, blocks=blocks))
         self.passes.append(GlooOneInFlight())
-        self.user_passes = _user_passes(user_pass)
+        super().__init__(user_pass)
 
     def __call__(self, graph: torch.fx.Graph, is_inference: bool = False) -> None:
         check_block_regions(graph)
         if _GROUPS.intersection(collective_sequences(graph)):
             for graph_pass in self.passes:
                 graph_pass(graph)
-        for user_pass in self.user_passes:
-            if _InferenceAware is not None and isinstance(user_pass, _InferenceAware):
-                user_pass(graph, is_inference=is_inference)
-            else:
-                user_pass(graph)
+        self.run_user_passes(graph, is_inference=is_inference)
 
     def uuid(self):
-        users = []
-        for user_pass in self.user_passes:
-            if not isinstance(user_pass, CustomGraphPass):
-                return None  # a plain function has no stable identity to cache by
-            users.append(user_pass.uuid())
-            if users[-1] is None:  # the user's pass opts out of caching: so does the chain
-                return None
-        parts = [p.uuid() for p in self.passes]
-        return get_hash_for_files((__file__,), extra=repr((parts, users, sorted(_GROUPS))))
+        return self.chain_uuid(__file__, ([p.uuid() for p in self.passes], sorted(_GROUPS)))
 
 
 def _attach() -> None:
@@ -168,7 +144,8 @@ def compile_options(
     its path up to the first list index; parameters outside them belong to the root.
     ``blocks_once``: the model's blocks compile once (``simplefsdp.compile_blocks_once``); turns
     off Inductor's buffer reuse, which corrupts the region bodies' inputs (see
-    :mod:`.block_region_check`).
+    :mod:`.block_region_check`), and lets each region's backward read its parameters from the
+    model's graph, where ``reshard_after_forward`` re-gathers them (:mod:`.region_saves`).
     """
     if not isinstance(blocks_once, bool):
         raise ValueError(f"blocks_once must be True or False; got {blocks_once!r}")
@@ -179,6 +156,7 @@ def compile_options(
     options = {"post_grad_custom_post_pass": chain}
     if blocks_once:
         options["allow_buffer_reuse"] = False
+        options["joint_custom_pre_pass"] = RegionSaves(user_pass=torch._inductor.config.joint_custom_pre_pass)
     return options
 
 

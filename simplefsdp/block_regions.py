@@ -5,8 +5,7 @@ A whole-model ``torch.compile`` lowers every block of the model again, so its co
 with depth. :func:`compile_blocks_once` makes each block's compiled forward do two things:
 
 1. read every parameter of the block, in module order, in the block's own frame: each read is
-   SimpleFSDP's gather (all-gather, casts; re-gathered in backward with
-   ``reshard_after_forward``), traced into the model's graph as before;
+   SimpleFSDP's gather (all-gather, casts), traced into the model's graph as before;
 2. call the block's own forward inside ``torch.compiler.nested_compile_region``, with the
    gathered tensors as explicit arguments. While it is traced, the block's parameters read as
    those arguments (``ForwardState.region``, by each parameter's slot in the block).
@@ -17,20 +16,26 @@ it per block. Dynamo still traces every block (the slot assignment is a side eff
 torch 2.13 from reusing a region's trace; it then deduplicates the traced graphs, as 2.11 always
 does). Every all-gather and reduce-scatter stays in the outer graph, so SimpleFSDP's bucketing and
 prefetch see and reorder them across blocks; Inductor's post-grad passes run on each region body
-first, then on the outer graph.
+first, then on the outer graph. With ``reshard_after_forward`` the region's backward reads its
+parameters from the outer graph, which gathers them again (:mod:`simplefsdp.passes.region_saves`):
+AOTAutograd partitions a region by itself, and its forward body returns the gathered parameters
+its backward body needs, which would otherwise keep them from forward to backward.
+
+While torch compiles (Dynamo's compile callbacks, from the first ``compile_blocks_once`` in the
+process on), Dynamo's ``inline_single_use_invoke_subgraph`` (torch 2.13) is off and put back when
+the compile ends: a block whose region is called once (the one dense block of a MoE model) would
+otherwise be inlined into the model's graph, and under activation checkpointing its gathers,
+outside the block's checkpoint, then feed it across a checkpoint boundary, where the partitioner
+saves them for backward whatever their own policy (resharding dropped for that block).
 
 What it needs, and refuses otherwise (a ValueError before anything changes):
 
-* ``simple_fsdp(..., reshard_after_forward=False)``: AOTAutograd partitions a region's forward and
-  backward bodies by themselves, and the forward body returns what the backward body needs,
-  gathered parameters included, so the outer graph cannot re-gather them: they live from forward
-  to backward, as without resharding (checked: with ``True`` the backward graph re-gathered only
-  the parameters outside regions);
 * no routed experts under expert parallelism (``ep > 1``) in a block: their token all-to-alls take
   data-dependent split sizes, and torch (2.13) loses those unbacked sizes when a region body is
   reused ("NameError: name 'u127' is not defined" in the generated outer graph);
-* Inductor's buffer reuse off, ``torch.compile(model, options=compile_options(blocks_once=True))``
-  (checked when the graph is lowered: :mod:`simplefsdp.passes.block_region_check`).
+* ``torch.compile(model, options=compile_options(blocks_once=True))``: Inductor's buffer reuse off
+  and the joint-graph pass above (checked when the graph is lowered:
+  :mod:`simplefsdp.passes.block_region_check`).
 
 Eagerly nothing changes: the block's forward runs as it is.
 """
@@ -41,6 +46,7 @@ import torch
 import torch.nn as nn
 
 from simplefsdp.blocks import block_list
+from simplefsdp.compile_cache import on_each_compile
 from simplefsdp.moe.token_dispatch import TokenDispatcher
 from simplefsdp.param_access import REGION_SLOTS_ATTR, STATE_ATTR, WRAPPED_ATTR, is_wrapped
 from simplefsdp.wrap import is_simple_fsdp
@@ -60,6 +66,23 @@ def _block_math(block: nn.Module, params: list[torch.Tensor], *args, **kwargs):
 
 
 _region = torch.compiler.nested_compile_region(_block_math) if hasattr(torch.compiler, "nested_compile_region") else None
+
+
+_INLINE = "inline_single_use_invoke_subgraph"
+_NOTHING = object()
+_inline_before = [_NOTHING]  # the setting before the compile started
+
+
+def _keep_single_use_regions(_args) -> None:
+    if hasattr(torch._dynamo.config, _INLINE) and _inline_before[0] is _NOTHING:
+        _inline_before[0] = getattr(torch._dynamo.config, _INLINE)
+        setattr(torch._dynamo.config, _INLINE, False)
+
+
+def _restore_single_use_inlining(_args) -> None:
+    before, _inline_before[0] = _inline_before[0], _NOTHING
+    if before is not _NOTHING:
+        setattr(torch._dynamo.config, _INLINE, before)
 
 
 def _region_forward(self, *args, **kwargs):
@@ -92,12 +115,6 @@ def _block_reads(name: str, block: nn.Module, owner: dict) -> list[tuple[nn.Modu
             )
         if not is_wrapped(module):
             continue
-        if any(g.reshard_after_forward for g in getattr(module, WRAPPED_ATTR).gathers.values()):
-            raise ValueError(
-                f"compile_blocks_once: {where} was wrapped with reshard_after_forward=True; a region "
-                "keeps its gathered inputs from forward to backward (its body saves them, so they "
-                "cannot be re-gathered), so wrap with simple_fsdp(..., reshard_after_forward=False)"
-            )
         if owner.setdefault(module, name) != name:
             raise ValueError(
                 f"compile_blocks_once: module {where!r} belongs to blocks {owner[module]!r} and "
@@ -128,6 +145,7 @@ def compile_blocks_once(model: nn.Module, blocks: str | None = None) -> nn.Modul
         if not reads:
             raise ValueError(f"compile_blocks_once: block {name!r} has no parameters wrapped by simple_fsdp")
         plans.append((block, reads))
+    on_each_compile(_keep_single_use_regions, _restore_single_use_inlining)
     for block, reads in plans:  # apply, once every block has passed
         for slot, (module, pname) in enumerate(reads):
             module.__dict__.setdefault(REGION_SLOTS_ATTR, {})[pname] = slot

@@ -174,12 +174,15 @@ def _on_compile_end(_args) -> None:
         inductor.pre_grad_custom_pass, inductor.unsafe_marked_cacheable_functions = inductor_before
 
 
-def install() -> None:
-    """Register the callbacks (idempotent; ``torch._dynamo.reset()`` clears them, so
-    ``simple_fsdp`` calls this each time)."""
+def on_each_compile(start: Callable, end: Callable) -> None:
+    """Have Dynamo call ``start`` when a compile starts and ``end`` when it ends (idempotent;
+    ``torch._dynamo.reset()`` clears them, so callers register again each time)."""
     callbacks = getattr(torch._dynamo.callback, "callback_handler", None)
-    if callbacks is None:
-        return
-    if _on_compile_start not in callbacks.start_callbacks:
-        callbacks.register_start_callback(_on_compile_start)
-        callbacks.register_end_callback(_on_compile_end)
+    if callbacks is not None and start not in callbacks.start_callbacks:
+        callbacks.register_start_callback(start)
+        callbacks.register_end_callback(end)
+
+
+def install() -> None:
+    """Register the callbacks (``simple_fsdp`` calls this each time)."""
+    on_each_compile(_on_compile_start, _on_compile_end)

@@ -367,8 +367,6 @@ def validate(cfg: JobConfig, world: int) -> None:
     if t.blocks_once:
         _check(t.compile and t.baseline == "simplefsdp", "training.blocks_once",
                "compiles SimpleFSDP's blocks once; it needs training.compile and the simplefsdp baseline")
-        _check(not p.reshard_after_forward, "training.blocks_once", "needs parallel.reshard_after_forward = false "
-               "(a compiled region keeps its gathered parameters from forward to backward)")
         _check(p.ep == 1, "training.blocks_once", f"blocks with routed experts under parallel.ep {p.ep} cannot compile "
                "once (torch loses the all-to-all's data-dependent sizes in a reused region)")
     _check(t.steps >= 1, "training.steps", f"must be >= 1, got {t.steps}")

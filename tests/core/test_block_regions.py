@@ -1,14 +1,17 @@
 """Blocks compiled once (:func:`simplefsdp.block_regions.compile_blocks_once`).
 
 Parity on 2 gloo ranks against the whole-model compile (first-step gradients, then losses and
-parameters over training; both without resharding, which regions need), the graph structure at
-fake world 8 (one region body for the repeated blocks, every FSDP collective in the outer graph,
-prefetch across regions), and the refusals.
+parameters over training; with resharding after forward and without, with activation
+checkpointing and without), the graph structure at fake world 8 (one region body for the
+repeated blocks, every FSDP collective in the outer graph, prefetch across regions, resharded
+parameters gathered again in backward), and the refusals.
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
+import operator
 
 import pytest
 import torch
@@ -17,11 +20,14 @@ from torch.distributed.device_mesh import init_device_mesh
 
 import tests.training as T
 from simplefsdp import compile_blocks_once, simple_fsdp
+from simplefsdp.activation_checkpoint import apply_activation_checkpointing
 from simplefsdp.models.llama import cross_entropy_loss
 from simplefsdp.models.moe import MOE_CONFIGS
 from simplefsdp.param_access import REGION_SLOTS_ATTR
 from simplefsdp.train.data import rank_slice
 from simplefsdp.passes import SimpleFSDPPasses
+from simplefsdp.passes.block_region_check import check_block_regions
+from simplefsdp.passes.region_saves import RegionSaves
 from simplefsdp.passes.fx_utils import op_name
 from simplefsdp.passes.ops import COLLECTIVES
 from tests.conftest import FAKE_RANKS, fake_world_at
@@ -31,9 +37,9 @@ from tests.conftest import FAKE_RANKS, fake_world_at
 MOE = dataclasses.replace(MOE_CONFIGS["debug"], vocab_size=97, ffn_dim=90, n_layers=4)
 
 
-def _first_grads_then_train(cfg, regions: bool):
+def _first_grads_then_train(cfg, regions: bool, reshard: bool, ac: str | None):
     model, runner, dp_rank, dp_size = T.wrapped_run(
-        cfg, (2,), ("dp_shard",), compiled=True, blocks_once=regions, reshard_after_forward=False
+        cfg, (2,), ("dp_shard",), compiled=True, blocks_once=regions, reshard_after_forward=reshard, ac=ac
     )
     data = T.batches(cfg)
     tokens, labels = rank_slice(data[0], dp_rank, dp_size)
@@ -43,15 +49,25 @@ def _first_grads_then_train(cfg, regions: bool):
     return grads, T.train(runner, data, dp_rank=dp_rank, dp_size=dp_size), T.full_state(model)
 
 
-def _parity_body(model: str):
+def _parity_body(model: str, reshard: bool, ac: str | None):
     cfg = MOE if model == "moe" else T.CFG
-    return {regions: _first_grads_then_train(cfg, regions) for regions in (False, True)}
+    return {regions: _first_grads_then_train(cfg, regions, reshard, ac) for regions in (False, True)}
 
 
 @pytest.mark.ranks
-@pytest.mark.parametrize("model", ["dense", pytest.param("moe", marks=pytest.mark.slow)])
-def test_blocks_compiled_once_train_bitwise_like_the_whole_model_compile(model):
-    results = T.launch_once(_parity_body, 2, model)
+@pytest.mark.parametrize(
+    "model, reshard, ac",
+    [
+        ("dense", True, "full"),
+        pytest.param("dense", True, None, marks=pytest.mark.slow),
+        pytest.param("dense", False, None, marks=pytest.mark.slow),
+        pytest.param("moe", True, "selective", marks=pytest.mark.slow),
+        pytest.param("moe", False, None, marks=pytest.mark.slow),
+    ],
+    ids=["dense-reshard-ac", "dense-reshard", "dense-keep", "moe-reshard-ac", "moe-keep"],
+)
+def test_blocks_compiled_once_train_bitwise_like_the_whole_model_compile(model, reshard, ac):
+    results = T.launch_once(_parity_body, 2, model, reshard, ac)
     grads, losses, state = results[True]
     ref_grads, ref_losses, ref_state = results[False]
     assert T.max_abs_diff(grads, ref_grads) == 0.0
@@ -64,11 +80,23 @@ def fake_world(request):
     yield from fake_world_at(request.param)
 
 
+def _source_op(node) -> str | None:
+    """The op that computed ``node``, looking through views, splits, getitems and waits."""
+    while isinstance(node, torch.fx.Node) and node.op == "call_function" and (
+        node.target is operator.getitem or getattr(node.target, "is_view", False)
+        or op_name(node) in ("wait_tensor", "split_with_sizes")
+    ):
+        node = node.args[0]
+    return op_name(node) if isinstance(node, torch.fx.Node) else None
+
+
 class _Outline(CustomGraphPass):
-    """Records each lowered graph as its region calls and collectives, in order."""
+    """Records each lowered graph as its region calls and collectives, in order, and the ops
+    that computed its outputs (a forward graph's outputs are what it saves for backward)."""
 
     def __init__(self):
         self.graphs: list[list[str]] = []
+        self.outputs_from: list[set[str | None]] = []
 
     def __call__(self, graph: torch.fx.Graph) -> None:
         lines = []
@@ -78,6 +106,7 @@ class _Outline(CustomGraphPass):
             elif node.op == "call_function" and op_name(node) in COLLECTIVES:
                 lines.append(op_name(node).rstrip("_"))
         self.graphs.append(lines)
+        self.outputs_from.append({_source_op(n) for n in graph.output_node().args[0]})
 
     def uuid(self):
         return None
@@ -90,7 +119,11 @@ def _outlines(model, **options):
     with torch._inductor.config.patch(post_grad_custom_post_pass=chain):
         out = torch.compile(model, fullgraph=True, options=options)(tokens)
         cross_entropy_loss(out, tokens).backward()
-    return outline.graphs
+    return outline
+
+
+# compile_options(blocks_once=True) without its post-grad chain (the tests set their own)
+_BLOCKS_ONCE = dict(allow_buffer_reuse=False, joint_custom_pre_pass=RegionSaves())
 
 
 def _wrapped(cfg=MOE, **kwargs):
@@ -98,29 +131,46 @@ def _wrapped(cfg=MOE, **kwargs):
     return simple_fsdp(T.build_model(cfg), mesh, **kwargs)
 
 
+def _moe_regions(graph: list[str], kind: str) -> list[int]:
+    """Where the three MoE blocks call their one shared body (the dense block calls its own)."""
+    calls = collections.Counter(line for line in graph if line.startswith("region"))
+    assert sorted(calls.values()) == [1, 3] and all(f"_{kind}_" in body for body in calls), graph
+    return [i for i, line in enumerate(graph) if calls[line] == 3]
+
+
 @pytest.mark.slow_on_last_rank
-def test_regions_hold_the_block_math_and_the_outer_graph_every_fsdp_collective(fake_world):
+@pytest.mark.parametrize("ac", [None, "full"])
+def test_regions_hold_the_block_math_and_the_outer_graph_every_fsdp_collective(fake_world, ac):
+    """With activation checkpointing too: the dense block's region is called once, and torch
+    2.13's Dynamo would inline it, its gathers then feeding its checkpoint from outside."""
     torch._dynamo.reset()
-    model = compile_blocks_once(_wrapped(reshard_after_forward=False))
-    graphs = _outlines(model, allow_buffer_reuse=False)
-    outer = [g for g in graphs if any(line.startswith("region") for line in g)]
-    bodies = [g for g in graphs if g not in outer]
+    model = T.build_model(MOE)
+    if ac:
+        apply_activation_checkpointing(model, ac)
+    mesh = init_device_mesh("cpu", (8,), mesh_dim_names=("dp_shard",))
+    model = compile_blocks_once(simple_fsdp(model, mesh))  # resharding after forward (the default)
+    inline = getattr(torch._dynamo.config, "inline_single_use_invoke_subgraph", None)
+    outline = _outlines(model, **_BLOCKS_ONCE)
+    assert getattr(torch._dynamo.config, "inline_single_use_invoke_subgraph", None) == inline  # put back
+    graphs = outline.graphs
+    outer = [i for i, g in enumerate(graphs) if any(line.startswith("region") for line in g)]
     assert len(outer) == 2  # forward, backward
-    # the three MoE blocks call one body each way (the dense block's single call is inlined)
-    for graph, kind in zip(outer, ("fw", "bw")):
-        regions = [line for line in graph if line.startswith("region")]
-        assert len(regions) == 3 and len(set(regions)) == 1 and f"_{kind}_" in regions[0], graph
-    assert len(bodies) == 2 and bodies == [[], []]  # no collective inside a region
-    forward, backward = outer
+    forward, backward = (graphs[i] for i in outer)
+    bodies = [g for i, g in enumerate(graphs) if i not in outer]
+    assert bodies == [[], [], [], []]  # no collective inside a region (dense and MoE, fw and bw)
     # buckets (root, block 0..3), and prefetch: block k+1's all-gather is issued before block k runs
-    regions_at = [i for i, line in enumerate(forward) if line.startswith("region")]
+    regions_at = _moe_regions(forward, "fw")
+    _moe_regions(backward, "bw")
     gathers_at = [i for i, line in enumerate(forward) if line.startswith("all_gather")]
     assert len(gathers_at) == 5
     for k, at in enumerate(regions_at):  # region k runs MoE block k + 1
         assert sum(g < at for g in gathers_at) == min(k + 4, 5), forward
-    # backward: each block's gradients are reduce-scattered once, right after its region
+    # resharded: the forward saves no gathered parameter for backward, and the backward gathers
+    # each block's parameters again right before its region, and reduce-scatters its gradients
+    # right after it
+    assert not any(op and op.startswith("all_gather") for op in outline.outputs_from[outer[0]])
     for at in (i for i, line in enumerate(backward) if line.startswith("region")):
-        assert backward[at + 1].startswith("reduce_scatter"), backward
+        assert backward[at - 1].startswith("all_gather") and backward[at + 1].startswith("reduce_scatter"), backward
     assert sum(line.startswith("reduce_scatter") for line in backward) == 5
 
 
@@ -131,22 +181,27 @@ def test_buffer_reuse_must_be_off(fake_world):
         _outlines(model)
 
 
+def test_the_joint_graph_pass_must_be_set():
+    """Without it a region's backward would read the gathered parameters saved from forward,
+    dropping ``reshard_after_forward`` without a word."""
+    graph = torch.fx.Graph()
+    region = graph.call_function(torch.ops.higher_order.invoke_subgraph, (None, "fw", ))
+    region.meta["stack_trace"] = 'File "simplefsdp/block_regions.py", line 60, in _region_forward'
+    with torch._inductor.config.patch(allow_buffer_reuse=False):
+        with pytest.raises(ValueError, match="need the joint-graph pass that re-gathers their parameters"):
+            check_block_regions(graph)
+        with torch._inductor.config.patch(joint_custom_pre_pass=RegionSaves()):
+            check_block_regions(graph)
+
+
 def _unchanged(model) -> tuple:
     return [type(m) for m in model.modules()], [sorted(vars(m)) for m in model.modules()]
 
 
-@pytest.mark.parametrize(
-    "kwargs, message",
-    [
-        (dict(), "layers.0.attention_norm was wrapped with reshard_after_forward=True"),
-        (dict(reshard_after_forward=False, ep=2), "block 'layers.1' holds routed experts under expert parallelism"),
-    ],
-    ids=["reshard", "ep"],
-)
-def test_refusals_change_nothing(fake_world, kwargs, message):
-    model = _wrapped(**kwargs)
+def test_refusals_change_nothing(fake_world):
+    model = _wrapped(ep=2)
     before = _unchanged(model)
-    with pytest.raises(ValueError, match=message):
+    with pytest.raises(ValueError, match="block 'layers.1' holds routed experts under expert parallelism"):
         compile_blocks_once(model)
     assert _unchanged(model) == before
 

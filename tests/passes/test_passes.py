@@ -20,6 +20,7 @@ from simplefsdp.models.llama import FeedForward, Transformer, TransformerConfig,
 from simplefsdp.models.moe import MOE_CONFIGS, MoE, moe_transformer
 from simplefsdp.passes.a2a_overlap import AllToAllOverlap
 from simplefsdp.passes.fsdp_bucketing import FSDPBucketing, plan_buckets
+from simplefsdp.passes.region_saves import RegionSaves
 from simplefsdp.passes.fx_utils import block_of, node_block, op_name, reorder, waits_of
 from simplefsdp.passes.ops import COLLECTIVES
 from tests import training as T
@@ -163,6 +164,15 @@ def test_the_chain_keeps_the_users_pass_in_every_form():
     assert user.calls == 1 and function.graphs == 1
     assert passes.SimpleFSDPPasses(user_pass=user).uuid() != passes.SimpleFSDPPasses().uuid()  # in the cache key
     assert passes.SimpleFSDPPasses(user_pass=function).uuid() is None  # a function: no caching
+    # blocks compiled once: the joint-graph pass keeps the user's joint pass the same way
+    assert "joint_custom_pre_pass" not in passes.compile_options()
+    with torch._inductor.config.patch(joint_custom_pre_pass=user):
+        options = passes.compile_options(blocks_once=True)
+    joint = options["joint_custom_pre_pass"]
+    assert isinstance(joint, RegionSaves) and joint.user_passes == (user,) and options["allow_buffer_reuse"] is False
+    joint(torch.fx.Graph())
+    assert user.calls == 2
+    assert joint.uuid() != RegionSaves().uuid() and RegionSaves(user_pass=function).uuid() is None
     aware_base = getattr(torch._inductor.custom_graph_pass, "CustomInferenceAwareGraphPass", None)
     if aware_base is not None:  # torch 2.13
         aware = type("Aware", (_InferenceAwareUserPass, aware_base), {})()
