@@ -32,7 +32,11 @@ What it needs, and refuses otherwise (a ValueError before anything changes):
 
 * no routed experts under expert parallelism (``ep > 1``) in a block: their token all-to-alls take
   data-dependent split sizes, and torch (2.13) loses those unbacked sizes when a region body is
-  reused ("NameError: name 'u127' is not defined" in the generated outer graph);
+  reused ("NameError: name 'u127' is not defined" in the generated outer graph). Keeping the
+  all-to-alls in the outer graph and only the expert math in a region does not help yet: its
+  rows then arrive in a data-dependent number, a different unbacked size per chunk and block,
+  and torch compiles one body per size (2.11) or fails to guard on ``Eq(u1, u0)`` (2.13; the
+  xfail test ``test_torch_shares_a_region_body_across_data_dependent_row_counts``);
 * ``torch.compile(model, options=compile_options(blocks_once=True))``: Inductor's buffer reuse off
   and the joint-graph pass above (checked when the graph is lowered:
   :mod:`simplefsdp.passes.block_region_check`).

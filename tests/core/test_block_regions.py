@@ -221,3 +221,33 @@ def test_eager_forward_is_unchanged(fake_world):
     compile_blocks_once(model)
     assert torch.equal(model(tokens), before)
     assert getattr(model.layers[2].attention.wq, REGION_SLOTS_ATTR) == {"weight": 1}
+
+
+_data_dependent_rows = torch.compiler.nested_compile_region(lambda rows, w: torch.nn.functional.silu(rows @ w))
+
+
+@pytest.mark.xfail(strict=True, reason="torch 2.11 traces one region body per data-dependent size; 2.13 fails "
+                                       "to guard on Eq(u1, u0) when it tries to reuse the trace")
+def test_torch_shares_a_region_body_across_data_dependent_row_counts():
+    """Why routed experts under ep > 1 are refused (besides the all-to-all's sizes, which a region
+    loses): their rows arrive in a number known only at run time, a different unbacked size per
+    chunk and block, and torch compiles one body per size, so nothing would compile once. When
+    this passes, the expert math can move into a region shared by every block."""
+    bodies = []
+
+    def record(gm, example_inputs):
+        bodies.extend(n.args[1] for n in gm.graph.find_nodes(op="call_function", target=torch.ops.higher_order.invoke_subgraph))
+        return gm.forward
+
+    def two_chunks(x, counts, w):
+        first, second = counts.tolist()
+        torch._check(first <= x.shape[0])
+        torch._check(second <= x.shape[0])
+        return _data_dependent_rows(x[:first], w).sum() + _data_dependent_rows(x[:second], w).sum()
+
+    x, w = torch.randn(16, 8), torch.randn(8, 8)
+    with torch._dynamo.config.patch(capture_scalar_outputs=True):
+        torch._dynamo.reset()
+        out = torch.compile(two_chunks, backend=record, fullgraph=True)(x, torch.tensor([3, 5]), w)
+    assert torch.allclose(out, two_chunks(x, torch.tensor([3, 5]), w))
+    assert len(bodies) == 2 and len(set(bodies)) == 1, bodies
