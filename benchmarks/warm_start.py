@@ -39,7 +39,7 @@ def child(config: str, overrides: list[str]) -> dict:
 
     import torch.distributed as dist
 
-    from simplefsdp.train.cli import build, train_step
+    from simplefsdp.train.cli import build, loss_function, train_step
     from simplefsdp.train.config import load, validate
     from simplefsdp.train.data import data_parallel_rank, rank_slice, token_stream
     from step_time import start_ranks
@@ -54,7 +54,8 @@ def child(config: str, overrides: list[str]) -> dict:
     batch = token_stream(t.dataset, cfg.model_config().vocab_size, t.global_batch, t.seq_len, t.seed).batch(0)
     batch = tuple(x.to(device) for x in rank_slice(batch, dp_rank, dp_size))
     start = time.perf_counter()
-    train_step(runner, optimizer, batch, params=list(model.parameters()), dp_size=dp_size, max_norm=t.max_norm)
+    train_step(runner, optimizer, batch, params=list(model.parameters()), dp_size=dp_size, max_norm=t.max_norm,
+               loss_fn=loss_function(cfg, device.type))
     if device.type == "cuda":
         torch.cuda.synchronize()
     seconds = time.perf_counter() - start

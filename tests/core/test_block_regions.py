@@ -58,13 +58,13 @@ def _parity_body(model: str, reshard: bool, ac: str | None):
 @pytest.mark.parametrize(
     "model, reshard, ac",
     [
-        ("dense", True, "full"),
-        pytest.param("dense", True, None, marks=pytest.mark.slow),
+        ("dense", True, None),
+        pytest.param("dense", True, "full", marks=pytest.mark.slow),
         pytest.param("dense", False, None, marks=pytest.mark.slow),
         pytest.param("moe", True, "selective", marks=pytest.mark.slow),
         pytest.param("moe", False, None, marks=pytest.mark.slow),
     ],
-    ids=["dense-reshard-ac", "dense-reshard", "dense-keep", "moe-reshard-ac", "moe-keep"],
+    ids=["dense-reshard", "dense-reshard-ac", "dense-keep", "moe-reshard-ac", "moe-keep"],
 )
 def test_blocks_compiled_once_train_bitwise_like_the_whole_model_compile(model, reshard, ac):
     results = T.launch_once(_parity_body, 2, model, reshard, ac)
@@ -139,7 +139,7 @@ def _moe_regions(graph: list[str], kind: str) -> list[int]:
 
 
 @pytest.mark.slow_on_last_rank
-@pytest.mark.parametrize("ac", [None, "full"])
+@pytest.mark.parametrize("ac", [pytest.param(None, marks=pytest.mark.slow), "full"])
 def test_regions_hold_the_block_math_and_the_outer_graph_every_fsdp_collective(fake_world, ac):
     """With activation checkpointing too: the dense block's region is called once, and torch
     2.13's Dynamo would inline it, its gathers then feeding its checkpoint from outside."""
