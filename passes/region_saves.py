@@ -12,9 +12,10 @@ This joint-graph pass (Inductor's ``joint_custom_pre_pass``, run before the mode
 partitioned and after the region bodies are) finds each saved forward output of our regions
 that is an input of the body, or a chain of views of one, and hands the backward region that
 input instead, replaying the views in the model's graph. The partitioner then re-gathers a
-resharded parameter in backward (its gather is ``MUST_RECOMPUTE``), as it does outside regions. Values are unchanged: a view replayed on the same tensor is
-the same tensor, so gradients stay bitwise equal. Saved values the body computed (activations,
-per-token copies of expert weights) stay as they are.
+resharded parameter in backward (its gather is ``MUST_RECOMPUTE``), as it does outside regions.
+Values are unchanged: a view replayed on the same tensor is the same tensor, so gradients stay
+bitwise equal. Saved values the body computed (activations, per-token copies of expert weights)
+stay as they are.
 """
 
 from __future__ import annotations

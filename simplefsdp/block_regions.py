@@ -50,7 +50,7 @@ import torch
 import torch.nn as nn
 
 from simplefsdp.blocks import block_list
-from simplefsdp.compile_cache import on_each_compile
+from simplefsdp.compile_cache import CompileSetting, on_each_compile
 from simplefsdp.moe.token_dispatch import TokenDispatcher
 from simplefsdp.param_access import REGION_SLOTS_ATTR, STATE_ATTR, WRAPPED_ATTR, is_wrapped
 from simplefsdp.wrap import is_simple_fsdp
@@ -72,21 +72,8 @@ def _block_math(block: nn.Module, params: list[torch.Tensor], *args, **kwargs):
 _region = torch.compiler.nested_compile_region(_block_math) if hasattr(torch.compiler, "nested_compile_region") else None
 
 
-_INLINE = "inline_single_use_invoke_subgraph"
-_NOTHING = object()
-_inline_before = [_NOTHING]  # the setting before the compile started
-
-
-def _keep_single_use_regions(_args) -> None:
-    if hasattr(torch._dynamo.config, _INLINE) and _inline_before[0] is _NOTHING:
-        _inline_before[0] = getattr(torch._dynamo.config, _INLINE)
-        setattr(torch._dynamo.config, _INLINE, False)
-
-
-def _restore_single_use_inlining(_args) -> None:
-    before, _inline_before[0] = _inline_before[0], _NOTHING
-    if before is not _NOTHING:
-        setattr(torch._dynamo.config, _INLINE, before)
+# torch 2.13 inlines a region called once (module docstring)
+_KEEP_SINGLE_USE_REGIONS = CompileSetting("torch._dynamo.config", "inline_single_use_invoke_subgraph", False)
 
 
 def _region_forward(self, *args, **kwargs):
@@ -149,7 +136,7 @@ def compile_blocks_once(model: nn.Module, blocks: str | None = None) -> nn.Modul
         if not reads:
             raise ValueError(f"compile_blocks_once: block {name!r} has no parameters wrapped by simple_fsdp")
         plans.append((block, reads))
-    on_each_compile(_keep_single_use_regions, _restore_single_use_inlining)
+    on_each_compile(_KEEP_SINGLE_USE_REGIONS.start, _KEEP_SINGLE_USE_REGIONS.end)
     for block, reads in plans:  # apply, once every block has passed
         for slot, (module, pname) in enumerate(reads):
             module.__dict__.setdefault(REGION_SLOTS_ATTR, {})[pname] = slot

@@ -2,7 +2,8 @@
 
 Dynamo's compile-start and compile-end callbacks (which also bracket a backward compiled lazily)
 bracket these settings; each is undone when the compile ends, and what was there before is put
-back.
+back. :func:`on_each_compile` and :class:`CompileSetting` are that mechanism, which
+:mod:`simplefsdp.block_regions` uses for a setting of its own.
 
 * **DeviceMesh in cache keys.** A compiled DTensor graph takes its DeviceMesh as an input (on
   torch 2.13 an opaque object), and AOTAutograd's and Inductor's cache keys pickle it with the
@@ -40,6 +41,7 @@ back.
 from __future__ import annotations
 
 import copyreg
+import importlib
 import pickle
 from typing import Any, Callable
 
@@ -50,8 +52,31 @@ from torch.distributed.tensor.placement_types import _StridedShard
 
 _NOTHING = object()
 _before = [_NOTHING]  # the dispatch-table entry our reducer stands in for, while a compile runs
-_ALLOW_FUNCTIONS = "autograd_cache_allow_custom_autograd_functions"
-_allow_before = [_NOTHING]  # the setting before the compile started
+
+
+class CompileSetting:
+    """``<config>.<name> = value`` while torch compiles (:meth:`start` and :meth:`end` are Dynamo's
+    compile callbacks; ``config`` names a torch config module, imported when a compile starts);
+    the value before is put back when the compile ends. A torch whose config lacks the setting is
+    left as it is."""
+
+    def __init__(self, config: str, name: str, value: Any):
+        self.config, self.name, self.value = config, name, value
+        self.before = _NOTHING
+
+    def start(self, _args=None) -> None:
+        config = importlib.import_module(self.config)
+        if hasattr(config, self.name) and self.before is _NOTHING:
+            self.before = getattr(config, self.name)
+            setattr(config, self.name, self.value)
+
+    def end(self, _args=None) -> None:
+        before, self.before = self.before, _NOTHING
+        if before is not _NOTHING:
+            setattr(importlib.import_module(self.config), self.name, before)
+
+
+_ALLOW_FUNCTIONS = CompileSetting("torch._functorch.config", "autograd_cache_allow_custom_autograd_functions", True)
 
 
 def _reduce_mesh(mesh: DeviceMesh):
@@ -145,10 +170,7 @@ def _on_compile_start(_args) -> None:
     if current is not _reduce_mesh:
         _before[0] = current
         copyreg.dispatch_table[DeviceMesh] = _reduce_mesh
-    config = torch._functorch.config
-    if hasattr(config, _ALLOW_FUNCTIONS) and _allow_before[0] is _NOTHING:
-        _allow_before[0] = getattr(config, _ALLOW_FUNCTIONS)
-        setattr(config, _ALLOW_FUNCTIONS, True)
+    _ALLOW_FUNCTIONS.start()
     if _dynamo_makes_dtensor_closures() and _inductor_before[0] is _NOTHING:
         inductor = torch._inductor.config
         _inductor_before[0] = (inductor.pre_grad_custom_pass, inductor.unsafe_marked_cacheable_functions)
@@ -165,9 +187,7 @@ def _on_compile_end(_args) -> None:
             del copyreg.dispatch_table[DeviceMesh]
         else:
             copyreg.dispatch_table[DeviceMesh] = before
-    allow_before, _allow_before[0] = _allow_before[0], _NOTHING
-    if allow_before is not _NOTHING:
-        setattr(torch._functorch.config, _ALLOW_FUNCTIONS, allow_before)
+    _ALLOW_FUNCTIONS.end()
     inductor_before, _inductor_before[0] = _inductor_before[0], _NOTHING
     if inductor_before is not _NOTHING:
         inductor = torch._inductor.config
