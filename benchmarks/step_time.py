@@ -68,7 +68,9 @@ TOP_KERNELS = 12  # the kernels with the most GPU time, kept per profiled run
 KERNEL_CATEGORIES = (
     ("communication", ("nccl",)),
     ("optimizer and clipping", ("adam", "multi_tensor_apply", "lpnorm", "foreach")),
-    ("grouped matmul", ("grouped", "groupproblemshape", "ptrarray")),  # CUTLASS grouped GEMM: GroupProblemShape
+    # CUTLASS grouped GEMM (GroupProblemShape, its prepare_grouped_gemm_data), Inductor's grouped-mm
+    # template; not Inductor's pointwise kernels named after the _grouped_mm they feed (weight casts)
+    ("grouped matmul", ("grouped_gemm", "groupproblemshape", "ptrarray", "triton_tem_fused__grouped_mm")),
     ("attention", ("flash", "fmha", "attention", "sdpa")),
     ("matmul", ("gemm", "nvjet", "xmma", "cutlass", "triton_tem", "wgmma", "matmul")),
     ("routing and permutation", ("sort", "radix", "scan", "topk", "gather", "scatter", "index", "histc", "cumsum",

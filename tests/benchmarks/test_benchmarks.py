@@ -218,6 +218,11 @@ def test_kernel_categories_from_kernel_names():
         "17GroupProblemShapeIN4cute5tupleIJiiiEEEEENS5_10collective13CollectiveMmaINS5_39MainloopSm90ArrayTmaGmma":
             "grouped matmul",
         "void at::cuda::detail::prepare_grouped_gemm_data<cutlass::bfloat16_t>": "grouped matmul",
+        "triton_tem_fused__grouped_mm_1": "grouped matmul",
+        # the gathered expert weights' cast (and transpose) that Inductor fuses and names after the
+        # _grouped_mm it feeds (gpu_moe on an H100: 5.1 ms a step)
+        "triton_poi_fused__grouped_mm__to_copy_18": "elementwise and norm",
+        "triton_poi_fused__grouped_mm__to_copy_transpose_9": "elementwise and norm",
         "void pytorch_flash::flash_bwd_dq_dk_dv_loop_seqk_parallel_kernel<Flash_bwd_kernel_traits>": "attention",
         "nvjet_tst_256x128_64x4_1x2_h_bz_coopA_NTT": "matmul",
         "triton_poi_fused_index_put_new_zeros_2": "routing and permutation",
