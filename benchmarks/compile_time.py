@@ -8,9 +8,9 @@ and writes ``--out``.
 
 Layouts: ``fsdp8`` (ep 1, no resharding) and ``fsdp8-reshard`` (ep 1, resharding after forward),
 each whole model and blocks compiled once, and ``fsdp8xep2`` (FSDP8 x EP2 with resharding; whole
-model only, as blocks compiled once refuse routed experts under ep). Under the fake group every router score ties and the counts exchange moves no
-data, so for ep a router bias on one expert per ep rank sends rows to both ep ranks (as the graph
-tests do).
+model only, as blocks compiled once refuse routed experts under ep). Under the fake group every
+router score ties and the counts exchange moves no data, so for ep a router bias on one expert
+per ep rank sends rows to both ep ranks (as the graph tests do).
 
     python benchmarks/compile_time.py --layers 2,8 --out benchmarks/results/compile_time_cpu.json
     python benchmarks/compile_time.py --layers 2,8 --layout fsdp8-reshard --out benchmarks/results/compile_time_cpu_reshard.json

@@ -69,11 +69,9 @@ def _replay(graph: torch.fx.Graph, source: torch.fx.Node, views: list[torch.fx.N
     return value
 
 
-def read_region_inputs_from_outer_graph(graph: torch.fx.Graph) -> int:
-    """Rewire each backward region to read the forward region's inputs (module docstring);
-    returns how many saved values it rewired."""
+def read_region_inputs_from_outer_graph(graph: torch.fx.Graph) -> None:
+    """Rewire each backward region to read the forward region's inputs (module docstring)."""
     module = graph.owning_module
-    rewired = 0
     for forward in list(graph.find_nodes(op="call_function", target=_INVOKE_SUBGRAPH)):
         if not is_block_region(forward):
             continue
@@ -89,8 +87,6 @@ def read_region_inputs_from_outer_graph(graph: torch.fx.Graph) -> int:
             replacement = _replay(graph, forward.args[2 + index], views)
             for user in backward:
                 user.replace_input_with(saved, replacement)
-            rewired += 1
-    return rewired
 
 
 class RegionSaves(PassChain):
