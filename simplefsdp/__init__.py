@@ -34,7 +34,8 @@ from torch.distributed.fsdp import MixedPrecisionPolicy  # noqa: E402
 from simplefsdp.block_regions import compile_blocks_once  # noqa: E402
 from simplefsdp.param_access import gathered  # noqa: E402
 from simplefsdp.passes import compile_options  # noqa: E402
+from simplefsdp.precompile import precompile  # noqa: E402
 from simplefsdp.tracing import trace  # noqa: E402
 from simplefsdp.wrap import is_simple_fsdp, simple_fsdp  # noqa: E402
 
-__all__ = ["MixedPrecisionPolicy", "compile_blocks_once", "compile_options", "gathered", "is_simple_fsdp", "simple_fsdp", "trace"]
+__all__ = ["MixedPrecisionPolicy", "compile_blocks_once", "compile_options", "gathered", "is_simple_fsdp", "precompile", "simple_fsdp", "trace"]

@@ -3,7 +3,8 @@
 Dynamo's compile-start and compile-end callbacks (which also bracket a backward compiled lazily)
 bracket these settings; each is undone when the compile ends, and what was there before is put
 back. :func:`on_each_compile` and :class:`CompileSetting` are that mechanism, which
-:mod:`simplefsdp.block_regions` uses for a setting of its own.
+:mod:`simplefsdp.block_regions` uses for a setting of its own; :func:`compile_callbacks` runs
+those callbacks around a compile Dynamo does not bracket (:mod:`simplefsdp.precompile`).
 
 * **DeviceMesh in cache keys.** A compiled DTensor graph takes its DeviceMesh as an input (on
   torch 2.13 an opaque object), and AOTAutograd's and Inductor's cache keys pickle it with the
@@ -40,6 +41,7 @@ back. :func:`on_each_compile` and :class:`CompileSetting` are that mechanism, wh
 
 from __future__ import annotations
 
+import contextlib
 import copyreg
 import importlib
 import pickle
@@ -201,6 +203,17 @@ def on_each_compile(start: Callable, end: Callable) -> None:
     if callbacks is not None and start not in callbacks.start_callbacks:
         callbacks.register_start_callback(start)
         callbacks.register_end_callback(end)
+
+
+@contextlib.contextmanager
+def compile_callbacks(name: str):
+    """Run Dynamo's compile-start callbacks on entry and its compile-end callbacks on exit, as
+    Dynamo does around each compile, for a compile it does not bracket itself (an AOT precompile,
+    :mod:`simplefsdp.precompile`); inside a compile already bracketed, nothing more runs."""
+    from torch._dynamo.callback import CallbackTrigger, callback_handler
+
+    with callback_handler.install_callbacks(CallbackTrigger.DYNAMO, name):
+        yield
 
 
 def install() -> None:
