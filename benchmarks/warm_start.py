@@ -6,7 +6,10 @@ point (``build``: SimpleFSDP compiled with our passes) and run one ``train_step`
 same fresh ``TORCHINDUCTOR_CACHE_DIR``. Reported per run: the first step's seconds (tracing and
 compiling included), the child's whole wall time (imports and model build too), and torch's
 compile-cache counters (AOTAutograd and FX-graph hits, misses and bypasses), so that a warm run
-that recompiled shows as a miss, not just as a slow number.
+that recompiled shows as a miss, not just as a slow number. With ``--set training.precompile=true``
+the compiled model is saved per rank (:mod:`simplefsdp.precompile`) in the cache dir the two
+children share; the "graph" column says whether a child traced it, compiled and saved it, or
+loaded it.
 
 With ``--ranks N`` each child is N gloo ranks on CPU (``torch.distributed.run``): the first step
 is the slowest rank's, the counters are summed over ranks. Without it, one process on one device
@@ -15,6 +18,7 @@ is the slowest rank's, the counters are summed over ranks. Without it, one proce
     python benchmarks/warm_start.py --models moe --out benchmarks/results/warm_start_h200.json
     python benchmarks/warm_start.py --models configs/debug_dense.toml --set parallel.dp_shard=1   # CPU
     python benchmarks/warm_start.py --models configs/debug_moe.toml,configs/debug_dense.toml --ranks 4   # CPU
+    python benchmarks/warm_start.py --models configs/debug_moe.toml --ranks 4 --set training.precompile=true
 """
 
 from __future__ import annotations
@@ -60,10 +64,12 @@ def child(config: str, overrides: list[str]) -> dict:
         torch.cuda.synchronize()
     seconds = time.perf_counter() - start
     seen = {**counters["aot_autograd"], **counters["inductor"]}
-    mine = {"first_step_s": seconds, **{name: seen.get(name, 0) for name in COUNTERS}}
+    mine = {"first_step_s": seconds, **{name: seen.get(name, 0) for name in COUNTERS},
+            "graph": getattr(runner, "origin", None) or "traced"}
     ranks = [None] * world
     dist.all_gather_object(ranks, mine)
-    return {k: max(r[k] for r in ranks) if k == "first_step_s" else sum(r[k] for r in ranks) for k in mine}
+    return {k: max(r[k] for r in ranks) if k == "first_step_s" else ",".join(sorted({r[k] for r in ranks}))
+            if k == "graph" else sum(r[k] for r in ranks) for k in mine}
 
 
 def run_twice(config: str, overrides: list[str], ranks: int = 1) -> list[dict]:
@@ -84,10 +90,11 @@ def run_twice(config: str, overrides: list[str], ranks: int = 1) -> list[dict]:
 
 
 def table(rows: list[dict]) -> str:
-    head = "| config | ranks | run | first step s | process wall s | AOTAutograd hit / miss / bypass | FX graph hit / miss |"
-    lines = [head, "|" + "---|" * 7]
+    head = ("| config | ranks | run | graph | first step s | process wall s | AOTAutograd hit / miss / bypass "
+            "| FX graph hit / miss |")
+    lines = [head, "|" + "---|" * 8]
     for r in rows:
-        lines.append(f"| {os.path.basename(r['config'])} | {r.get('ranks', 1)} | {r['run']} | {r['first_step_s']:.1f} | {r['wall_s']:.1f} | "
+        lines.append(f"| {os.path.basename(r['config'])} | {r.get('ranks', 1)} | {r['run']} | {r.get('graph', 'traced')} | {r['first_step_s']:.1f} | {r['wall_s']:.1f} | "
                      f"{r['autograd_cache_hit']} / {r['autograd_cache_miss']} / {r['autograd_cache_bypass']} | "
                      f"{r['fxgraph_cache_hit']} / {r['fxgraph_cache_miss']} |")
     return "\n".join(lines)

@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 from simplefsdp.blocks import block_list
 from simplefsdp.train.checkpoint import CheckpointError, Checkpointer, check_folder
-from simplefsdp.train.config import BASELINES, ConfigError, JobConfig, load, model_fingerprint, validate
+from simplefsdp.train.config import BASELINES, ConfigError, JobConfig, compiled_fingerprint, load, model_fingerprint, validate
 from simplefsdp.train.data import data_parallel_rank, rank_slice, token_stream
 from simplefsdp.train.optimizer import clipped_step, make_optimizer
 from simplefsdp.train.metrics import MetricsLog, StepMetrics, flops_per_token, peak_flops, peak_memory_gib
@@ -43,9 +43,14 @@ def loss_function(cfg: JobConfig, device_type: str):
 
     Eager fp32 cross entropy over gpu_moe's logits ([16384, 32000] bf16) took 8.8 ms a step,
     forward and backward, and compiled 1.5 ms, with the same loss (one H100; RESULTS.md). On CPU
-    ranks compiling it would only add seconds to the first step.
+    ranks compiling it would only add seconds to the first step. With ``training.precompile`` it is
+    saved and loaded as the model is (:mod:`simplefsdp.precompile`).
     """
     if cfg.training.compile and device_type == "cuda":
+        if cfg.training.precompile:
+            from simplefsdp.precompile import precompile
+
+            return precompile(cross_entropy_loss)
         return torch.compile(cross_entropy_loss)
     return cross_entropy_loss
 
@@ -167,7 +172,12 @@ def build(cfg: JobConfig, world: int, device_type: str):
             if t.blocks_once:
                 compile_blocks_once(model)
             options = compile_options(**passes, blocks_once=t.blocks_once) if passes or t.blocks_once else None
-            runner = torch.compile(model, fullgraph=True, options=options)
+            if t.precompile:
+                from simplefsdp.precompile import precompile
+
+                runner = precompile(model, options=options, key=compiled_fingerprint(cfg))
+            else:
+                runner = torch.compile(model, fullgraph=True, options=options)
     return model, runner, make_optimizer(model, t.lr)
 
 

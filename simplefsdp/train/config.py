@@ -10,7 +10,7 @@ A config has five sections; every key has a default, so a file names only what i
     [parallel]    dp_replicate, dp_shard (-1: the ranks left over), tp, ep, ep_chunks, mode,
                   reshard_after_forward, activation_checkpoint
     [training]    steps, lr, seed, global_batch, seq_len, dataset, compile, passes, blocks_once,
-                  param_dtype, reduce_dtype, max_norm, baseline
+                  precompile, param_dtype, reduce_dtype, max_norm, baseline
     [checkpoint]  folder, interval, resume
     [metrics]     out_dir, tensorboard, peak_tflops
 
@@ -68,6 +68,7 @@ class Training:
     compile: bool = True
     passes: bool = True  # SimpleFSDP's Inductor passes (when compiled)
     blocks_once: bool = False  # compile each distinct block once (simplefsdp.compile_blocks_once)
+    precompile: bool = False  # save the compiled model per rank in Inductor's cache dir; the next run loads it
     param_dtype: str = "float32"
     reduce_dtype: str = "float32"
     max_norm: float = 0.0  # gradient clipping; 0: off
@@ -369,6 +370,13 @@ def validate(cfg: JobConfig, world: int) -> None:
                "compiles SimpleFSDP's blocks once; it needs training.compile and the simplefsdp baseline")
         _check(p.ep == 1, "training.blocks_once", f"blocks with routed experts under parallel.ep {p.ep} cannot compile "
                "once (torch loses the all-to-all's data-dependent sizes in a reused region)")
+    if t.precompile:
+        _check(t.compile and t.baseline == "simplefsdp", "training.precompile",
+               "saves SimpleFSDP's compiled model; it needs training.compile and the simplefsdp baseline")
+        _check(not t.blocks_once, "training.precompile", "torch cannot save blocks compiled once (a guard of their "
+               "regions does not serialise); set training.blocks_once false")
+        _check(cfg.model["kind"] != HF, "training.precompile", "torch cannot save a compiled Hugging Face model (an "
+               "ID_MATCH guard does not serialise)")
     _check(t.steps >= 1, "training.steps", f"must be >= 1, got {t.steps}")
     _check(t.lr > 0 and math.isfinite(t.lr), "training.lr", f"must be a positive number, got {t.lr}")
     _check(t.seq_len >= 1, "training.seq_len", f"must be >= 1, got {t.seq_len}")
@@ -409,3 +417,12 @@ def model_fingerprint(cfg: JobConfig) -> str:
     fields = dataclasses.asdict(cfg.model_config())
     del fields["max_seq_len"]
     return json.dumps(fields | {"kind": cfg.model["kind"]}, sort_keys=True)
+
+
+def compiled_fingerprint(cfg: JobConfig) -> str:
+    """What of the config a compiled model depends on, as canonical JSON: the model, the parallel
+    layout and the training settings that reach the graph."""
+    t = cfg.training
+    graph = {k: getattr(t, k) for k in ("param_dtype", "reduce_dtype", "passes", "blocks_once", "global_batch", "seq_len")}
+    return json.dumps({"model": model_fingerprint(cfg), "parallel": dataclasses.asdict(cfg.parallel), "training": graph},
+                      sort_keys=True)

@@ -79,6 +79,11 @@ def _error(capsys, *argv) -> str:
          "training.blocks_once: blocks with routed experts under parallel.ep 2 cannot compile once"),
         (DENSE, ["--training.blocks_once", "true", "--training.compile", "false"],
          "training.blocks_once: compiles SimpleFSDP's blocks once; it needs training.compile"),
+        (DENSE, ["--training.precompile", "true", "--training.compile", "false"],
+         "training.precompile: saves SimpleFSDP's compiled model; it needs training.compile"),
+        (DENSE, ["--training.precompile", "true", "--training.blocks_once", "true"],
+         "training.precompile: torch cannot save blocks compiled once"),
+        (HF_MOE, ["--training.precompile", "true"], "training.precompile: torch cannot save a compiled Hugging Face model"),
         (DENSE, ["--training.lr", "inf"], "training.lr: must be a positive number, got inf"),
         (HF_MOE, ["--model.hidden_sise", 32], "model.hidden_sise: not a field of Qwen3MoeConfig"),
         (HF_MOE, ["--model.model_type", "qwen9"], "model.model_type: transformers cannot make a config of 'qwen9'"),
@@ -397,3 +402,5 @@ def test_the_loss_is_compiled_with_the_model_on_a_gpu():
     assert train.loss_function(eager_cfg, "cuda") is cross_entropy_loss
     compiled = train.loss_function(compiled_cfg, "cuda")  # compiles at its first call (on the GPU run)
     assert compiled._torchdynamo_orig_callable is cross_entropy_loss
+    compiled_cfg.training.precompile = True
+    assert train.loss_function(compiled_cfg, "cuda").target is cross_entropy_loss
