@@ -2,8 +2,9 @@
 without tracing, with the numerics of ``torch.compile``.
 
 The single-process tests run a one-rank gloo world (the mechanism: files, guards, source checks,
-torch's settings afterwards); the slow launch test runs FSDP2×EP2 on 2 gloo ranks twice, the
-second launch loading what the first saved on every rank.
+torch's settings afterwards); those that compile the model (against torch.compile, bitwise) are in
+the slow suite with the launch test, which runs FSDP2×EP2 on 2 gloo ranks twice, the second launch
+loading what the first saved on every rank. The default suite keeps what compiles little.
 """
 
 from __future__ import annotations
@@ -61,6 +62,7 @@ def _frames_traced() -> int:
     return counters["frames"]["total"]
 
 
+@pytest.mark.slow  # compiles the model three times: 35-50 s cold on CI's 2 cores
 def test_a_precompiled_model_loads_without_tracing_and_computes_like_torch_compile(one_rank, tmp_path):
     batch = T.batches(SMALL)[0]
     aot_compile_before = torch._dynamo.config.enable_aot_compile
@@ -100,6 +102,7 @@ def test_a_precompiled_model_loads_without_tracing_and_computes_like_torch_compi
     torch._dynamo.reset()
 
 
+@pytest.mark.slow  # compiles the model three times: 35-50 s cold on CI's 2 cores
 def test_a_model_torch_cannot_save_runs_through_torch_compile(one_rank, tmp_path):
     """Blocks compiled once: torch 2.13 cannot serialise a guard of their regions (DICT_VERSION)."""
     batch = T.batches(SMALL)[0]
