@@ -6,9 +6,9 @@ the debug MoE model (one dense block, the rest MoE) with ``--layers`` blocks, wr
 forward and backward timed (the fake group moves no data, so this is compile time). Prints a table
 and writes ``--out``.
 
-Layouts: ``fsdp8`` (ep 1, no resharding) and ``fsdp8-reshard`` (ep 1, resharding after forward),
-each whole model and blocks compiled once, and ``fsdp8xep2`` (FSDP8 x EP2 with resharding; whole
-model only, as blocks compiled once refuse routed experts under ep). Under the fake group every
+Layouts: ``fsdp8`` (ep 1, no resharding), ``fsdp8-reshard`` (ep 1, resharding after forward) and
+``fsdp8xep2`` (FSDP8 x EP2 with resharding; blocks compiled once then keep the routed experts in
+the outer graph), each whole model and blocks compiled once. Under the fake group every
 router score ties and the counts exchange moves no data, so for ep a router bias on one expert
 per ep rank sends rows to both ep ranks (as the graph tests do).
 
@@ -27,12 +27,9 @@ import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-# layout -> (ep, reshard_after_forward, modes)
-LAYOUTS = {
-    "fsdp8": (1, False, ("whole", "blocks once")),
-    "fsdp8-reshard": (1, True, ("whole", "blocks once")),
-    "fsdp8xep2": (2, True, ("whole",)),
-}
+# layout -> (ep, reshard_after_forward)
+LAYOUTS = {"fsdp8": (1, False), "fsdp8-reshard": (1, True), "fsdp8xep2": (2, True)}
+MODES = ("whole", "blocks once")
 
 
 def measure(layers: int, mode: str, layout: str) -> float:
@@ -51,7 +48,7 @@ def measure(layers: int, mode: str, layout: str) -> float:
     mesh = init_device_mesh("cpu", (8,), mesh_dim_names=("dp_shard",))
     cfg = dataclasses.replace(MOE_CONFIGS["debug"], n_layers=layers)
     torch.manual_seed(0)
-    ep, reshard, _ = LAYOUTS[layout]
+    ep, reshard = LAYOUTS[layout]
     model = moe_transformer(cfg)
     if ep > 1:
         for module in model.modules():
@@ -80,7 +77,7 @@ def main() -> None:
     env = {**os.environ, "TORCHINDUCTOR_FORCE_DISABLE_CACHES": "1", "PYTHONPATH": ROOT}
     rows = []
     for layers in map(int, args.layers.split(",")):
-        for mode in LAYOUTS[args.layout][2]:
+        for mode in MODES:
             out = subprocess.run([sys.executable, __file__, "--one", str(layers), mode, "--layout", args.layout], env=env,
                                  capture_output=True, text=True, check=True).stdout
             rows.append(dict(layers=layers, mode=mode, compile_s=json.loads(out.strip().splitlines()[-1])))

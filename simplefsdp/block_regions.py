@@ -28,15 +28,24 @@ otherwise be inlined into the model's graph, and under activation checkpointing 
 outside the block's checkpoint, then feed it across a checkpoint boundary, where the partitioner
 saves them for backward whatever their own policy (resharding dropped for that block).
 
+Routed experts under expert parallelism (``ep > 1``) stay out of regions: their token
+all-to-alls take data-dependent split sizes, and torch (2.13) loses those unbacked sizes when a
+region body is reused ("NameError: name 'u127' is not defined" in the generated outer graph).
+Putting only the expert math in a region does not help yet: its rows arrive in a data-dependent
+number, a different unbacked size per chunk and block, and torch compiles one body per size
+(2.11) or fails to guard on ``Eq(u1, u0)`` (2.13; the xfail test
+``test_torch_shares_a_region_body_across_data_dependent_row_counts``). So a block holding such
+experts is not one region: each of its largest submodules that holds none (attention, router,
+shared experts) is a region of its own, shared across blocks as whole blocks are, and the routed
+experts (their gathers, all-to-alls, permutation and grouped matmuls), the glue in the forwards
+above them (the block's residual adds, the MoE layer's weighting) and the norms are traced into
+the outer graph, as a whole-model compile traces them. A norm (a submodule whose parameters are
+all vectors) stays there because a region boundary would change its bits: Inductor fuses its
+backward's reduction with the residual add that feeds it, and a norm cut off into a region of its
+own reduced in another kernel (gradients 1e-9 apart on CPU, 2 ranks, FSDP2 x EP2).
+
 What it needs, and refuses otherwise (a ValueError before anything changes):
 
-* no routed experts under expert parallelism (``ep > 1``) in a block: their token all-to-alls take
-  data-dependent split sizes, and torch (2.13) loses those unbacked sizes when a region body is
-  reused ("NameError: name 'u127' is not defined" in the generated outer graph). Keeping the
-  all-to-alls in the outer graph and only the expert math in a region does not help yet: its
-  rows then arrive in a data-dependent number, a different unbacked size per chunk and block,
-  and torch compiles one body per size (2.11) or fails to guard on ``Eq(u1, u0)`` (2.13; the
-  xfail test ``test_torch_shares_a_region_body_across_data_dependent_row_counts``);
 * ``torch.compile(model, options=compile_options(blocks_once=True))``: Inductor's buffer reuse off
   and the joint-graph pass above (checked when the graph is lowered:
   :mod:`simplefsdp.passes.block_region_check`).
@@ -92,24 +101,37 @@ def _region_class(cls: type) -> type:
     return _REGION_CLASSES[cls]
 
 
-def _block_reads(name: str, block: nn.Module, owner: dict) -> list[tuple[nn.Module, str]]:
-    """The block's wrapped parameters as (module, name), in module order; ValueError for what a
-    region cannot hold."""
+def _holds_routed_experts(module: nn.Module) -> bool:
+    return any(isinstance(getattr(m, "expert_parallel", None), TokenDispatcher) for m in module.modules())
+
+
+def _region_units(name: str, block: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The modules of ``block`` that become regions, by path: the block itself, or, where it
+    holds routed experts under expert parallelism, its largest submodules that hold none (module
+    docstring). The routed experts, the norms, and what the modules above them compute in their
+    own forwards, stay in the outer graph."""
+    if not _holds_routed_experts(block):
+        return [(name, block)]
+    units = []
+    for child_name, child in block.named_children():
+        if all(p.dim() <= 1 for p in child.parameters()):
+            continue  # a norm: inline, fused with the residual add around it (module docstring)
+        units.extend(_region_units(f"{name}.{child_name}", child))
+    return units
+
+
+def _unit_reads(name: str, unit: nn.Module, owner: dict) -> list[tuple[nn.Module, str]]:
+    """The unit's wrapped parameters as (module, name), in module order; ValueError for a module
+    shared with another unit."""
     reads = []
-    for path, module in block.named_modules():
-        where = f"{name}.{path}" if path else name
-        if isinstance(getattr(module, "expert_parallel", None), TokenDispatcher):
-            raise ValueError(
-                f"compile_blocks_once: block {name!r} holds routed experts under expert parallelism "
-                f"({where}); their all-to-all split sizes are data-dependent, and torch loses them "
-                "when a compiled region is reused. Compile this model whole (leave blocks inline)."
-            )
+    for path, module in unit.named_modules():
         if not is_wrapped(module):
             continue
         if owner.setdefault(module, name) != name:
+            where = f"{name}.{path}" if path else name
             raise ValueError(
-                f"compile_blocks_once: module {where!r} belongs to blocks {owner[module]!r} and "
-                f"{name!r}; a region's parameters must be its block's own"
+                f"compile_blocks_once: module {where!r} belongs to regions {owner[module]!r} and "
+                f"{name!r}; a region's parameters must be its own"
             )
         reads.extend((module, pname) for pname in getattr(module, WRAPPED_ATTR).gathers)
     return reads
@@ -130,17 +152,18 @@ def compile_blocks_once(model: nn.Module, blocks: str | None = None) -> nn.Modul
     plans = []
     for i, block in enumerate(layers):
         name = f"{prefix}.{i}" if prefix else str(i)
-        if hasattr(block, _READS_ATTR):
+        if any(hasattr(m, _READS_ATTR) for m in block.modules()):
             raise ValueError(f"compile_blocks_once: block {name!r} already compiles once")
-        reads = _block_reads(name, block, owner)
-        if not reads:
+        units = [(unit, _unit_reads(path, unit, owner)) for path, unit in _region_units(name, block)]
+        units = [(unit, reads) for unit, reads in units if reads]  # a unit with no parameter stays inline
+        if not units:
             raise ValueError(f"compile_blocks_once: block {name!r} has no parameters wrapped by simple_fsdp")
-        plans.append((block, reads))
+        plans.extend(units)
     on_each_compile(_KEEP_SINGLE_USE_REGIONS.start, _KEEP_SINGLE_USE_REGIONS.end)
-    for block, reads in plans:  # apply, once every block has passed
+    for unit, reads in plans:  # apply, once every block has passed
         for slot, (module, pname) in enumerate(reads):
             module.__dict__.setdefault(REGION_SLOTS_ATTR, {})[pname] = slot
-        setattr(block, _READS_ATTR, reads)
-        setattr(block, STATE_ATTR, getattr(reads[0][0], STATE_ATTR))
-        block.__class__ = _region_class(type(block))
+        setattr(unit, _READS_ATTR, reads)
+        setattr(unit, STATE_ATTR, getattr(reads[0][0], STATE_ATTR))
+        unit.__class__ = _region_class(type(unit))
     return model

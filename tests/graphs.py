@@ -120,3 +120,14 @@ def assert_each_weight_gathered_before_use(forward: list[str]) -> None:
     waits = positions(forward, "wait all_gather")
     for n, mm in enumerate(positions(forward, MATMUL_PREFIXES)):
         assert sum(w < mm for w in waits) > n, f"matmul {n} (line {mm}) runs before its weight's all-gather"
+
+
+def spread_routing(model: torch.nn.Module, ep: int) -> None:
+    """A router bias on one expert per ep rank, so tokens go to every ep rank: under the fake
+    group every router score ties (an all-gather repeats the local shard) and would send every
+    token to the first experts."""
+    from simplefsdp.models.moe import MoE
+
+    for module in model.modules():
+        if isinstance(module, MoE):
+            module.router.expert_bias[:: module.router.num_experts // ep] = 1.0

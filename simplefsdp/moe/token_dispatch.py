@@ -85,7 +85,9 @@ def by_expert(
         rows.append(x[start:end][order // top_k])
         counts.append(tokens_per_expert(experts[start:end], num_experts))
         orders.append(order)
-    outs = [torch.empty_like(out).index_copy(0, order, out) for out, order in zip(run(rows, counts), orders)]
+    # sized by the order (static), not by the experts' rows (data-dependent after an all-to-all):
+    # what follows, a compiled region's input included, keeps static shapes
+    outs = [out.new_empty(order.shape + out.shape[1:]).index_copy(0, order, out) for out, order in zip(run(rows, counts), orders)]
     return outs[0] if len(outs) == 1 else torch.cat(outs)
 
 

@@ -368,8 +368,6 @@ def validate(cfg: JobConfig, world: int) -> None:
     if t.blocks_once:
         _check(t.compile and t.baseline == "simplefsdp", "training.blocks_once",
                "compiles SimpleFSDP's blocks once; it needs training.compile and the simplefsdp baseline")
-        _check(p.ep == 1, "training.blocks_once", f"blocks with routed experts under parallel.ep {p.ep} cannot compile "
-               "once (torch loses the all-to-all's data-dependent sizes in a reused region)")
     if t.precompile:
         _check(t.compile and t.baseline == "simplefsdp", "training.precompile",
                "saves SimpleFSDP's compiled model; it needs training.compile and the simplefsdp baseline")

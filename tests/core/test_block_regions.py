@@ -31,15 +31,21 @@ from simplefsdp.passes.region_saves import RegionSaves
 from simplefsdp.passes.fx_utils import op_name
 from simplefsdp.passes.ops import COLLECTIVES
 from tests.conftest import FAKE_RANKS, fake_world_at
+from tests.graphs import spread_routing
 
 # one dense block, then three MoE blocks (two distinct block graphs); vocab 97 and ffn 90 give
 # uneven shards
 MOE = dataclasses.replace(MOE_CONFIGS["debug"], vocab_size=97, ffn_dim=90, n_layers=4)
 
 
-def _first_grads_then_train(cfg, regions: bool, reshard: bool, ac: str | None):
+# model -> (config, simple_fsdp's expert parallelism: ep 2 on the 2 ranks, in 2 token chunks)
+_MODELS = {"dense": (T.CFG, {}), "moe": (MOE, {}), "moe-ep": (MOE, dict(ep=2, ep_chunks=2))}
+
+
+def _first_grads_then_train(model: str, regions: bool, reshard: bool, ac: str | None):
+    cfg, ep = _MODELS[model]
     model, runner, dp_rank, dp_size = T.wrapped_run(
-        cfg, (2,), ("dp_shard",), compiled=True, blocks_once=regions, reshard_after_forward=reshard, ac=ac
+        cfg, (2,), ("dp_shard",), compiled=True, blocks_once=regions, reshard_after_forward=reshard, ac=ac, **ep
     )
     data = T.batches(cfg)
     tokens, labels = rank_slice(data[0], dp_rank, dp_size)
@@ -50,8 +56,7 @@ def _first_grads_then_train(cfg, regions: bool, reshard: bool, ac: str | None):
 
 
 def _parity_body(model: str, reshard: bool, ac: str | None):
-    cfg = MOE if model == "moe" else T.CFG
-    return {regions: _first_grads_then_train(cfg, regions, reshard, ac) for regions in (False, True)}
+    return {regions: _first_grads_then_train(model, regions, reshard, ac) for regions in (False, True)}
 
 
 @pytest.mark.ranks
@@ -63,8 +68,9 @@ def _parity_body(model: str, reshard: bool, ac: str | None):
         pytest.param("dense", False, None, marks=pytest.mark.slow),
         pytest.param("moe", True, "selective", marks=pytest.mark.slow),
         pytest.param("moe", False, None, marks=pytest.mark.slow),
+        pytest.param("moe-ep", True, "full", marks=pytest.mark.slow),
     ],
-    ids=["dense-reshard", "dense-reshard-ac", "dense-keep", "moe-reshard-ac", "moe-keep"],
+    ids=["dense-reshard", "dense-reshard-ac", "dense-keep", "moe-reshard-ac", "moe-keep", "moe-ep2-chunks-reshard-ac"],
 )
 def test_blocks_compiled_once_train_bitwise_like_the_whole_model_compile(model, reshard, ac):
     results = T.launch_once(_parity_body, 2, model, reshard, ac)
@@ -174,6 +180,46 @@ def test_regions_hold_the_block_math_and_the_outer_graph_every_fsdp_collective(f
     assert sum(line.startswith("reduce_scatter") for line in backward) == 5
 
 
+@pytest.mark.slow_on_last_rank
+def test_routed_experts_under_ep_stay_in_the_outer_graph_between_shared_regions(fake_world):
+    """FSDP8 x EP2 with resharding: an MoE block is cut into regions at its attention, router and
+    shared experts, shared across blocks; its routed experts' all-to-alls run in the outer graph,
+    between its router's region and its shared experts' region."""
+    torch._dynamo.reset()
+    model = T.build_model(dataclasses.replace(MOE, n_layers=3))  # a dense block, two MoE blocks
+    spread_routing(model, 2)
+    mesh = init_device_mesh("cpu", (8,), mesh_dim_names=("dp_shard",))
+    outline = _outlines(compile_blocks_once(simple_fsdp(model, mesh, ep=2)), **_BLOCKS_ONCE)
+    outer = [i for i, g in enumerate(outline.graphs) if any(line.startswith("region") for line in g)]
+    assert len(outer) == 2  # forward, backward
+    forward, backward = (outline.graphs[i] for i in outer)
+    assert [g for i, g in enumerate(outline.graphs) if i not in outer] == [[]] * 8  # 4 bodies, fw and bw
+    calls = collections.Counter(line for line in forward if line.startswith("region"))
+    # the dense block; the MoE blocks' attention, router and shared experts (their norms: inline)
+    assert sorted(calls.values()) == [1, 2, 2, 2], forward
+    runs = _runs(forward, "all_to_all")
+    assert len(runs) == 2 and len({end - start for start, end in runs}) == 1, forward  # the same exchange per block
+    router, shared = forward[runs[0][0] - 1], forward[runs[0][1]]
+    assert router != shared and all(forward[s - 1] == router and forward[e] == shared for s, e in runs), forward
+    assert calls[router] == calls[shared] == 2
+    # resharded: the forward saves no gathered parameter; the backward gathers again
+    assert not any(op and op.startswith("all_gather") for op in outline.outputs_from[outer[0]])
+    assert sum(line.startswith("all_gather") for line in backward) == 4, backward
+    assert sum(line.startswith("all_to_all") for line in backward) == 8, backward
+
+
+def _runs(lines: list[str], prefix: str) -> list[tuple[int, int]]:
+    """[start, end) of each maximal run of lines starting with ``prefix``."""
+    runs, start = [], None
+    for i, line in enumerate([*lines, ""]):
+        if line.startswith(prefix) and start is None:
+            start = i
+        elif not line.startswith(prefix) and start is not None:
+            runs.append((start, i))
+            start = None
+    return runs
+
+
 def test_buffer_reuse_must_be_off(fake_world):
     torch._dynamo.reset()
     model = compile_blocks_once(_wrapped(reshard_after_forward=False))
@@ -199,9 +245,13 @@ def _unchanged(model) -> tuple:
 
 
 def test_refusals_change_nothing(fake_world):
-    model = _wrapped(ep=2)
+    """The last block's attention is the second's: found after the first blocks passed."""
+    model = T.build_model(MOE)
+    model.layers[3].attention = model.layers[1].attention
+    model = simple_fsdp(model, init_device_mesh("cpu", (8,), mesh_dim_names=("dp_shard",)), ep=2)
     before = _unchanged(model)
-    with pytest.raises(ValueError, match="block 'layers.1' holds routed experts under expert parallelism"):
+    with pytest.raises(ValueError, match="module 'layers.3.attention.wq' belongs to regions 'layers.1.attention' and "
+                                         "'layers.3.attention'"):
         compile_blocks_once(model)
     assert _unchanged(model) == before
 

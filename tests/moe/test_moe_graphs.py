@@ -27,7 +27,7 @@ from simplefsdp.models.moe import MOE_CONFIGS, MoE, moe_transformer
 from simplefsdp.models.llama import cross_entropy_loss
 from tests.conftest import FAKE_RANKS, fake_world_at
 from simplefsdp.passes.fx_utils import module_path, op_name, pinned_call
-from tests.graphs import captured_graphs, collectives, positions
+from tests.graphs import captured_graphs, collectives, positions, spread_routing
 
 
 @pytest.fixture(**FAKE_RANKS)
@@ -36,12 +36,6 @@ def fake_world(request):
 
 
 CFG = MOE_CONFIGS["debug"]  # 8 experts
-
-
-def _spread_routing(model: torch.nn.Module, ep: int) -> None:
-    for module in model.modules():
-        if isinstance(module, MoE):
-            module.router.expert_bias[:: CFG.num_experts // ep] = 1.0
 
 
 def _moe_layer_graphs(shape, names, ep, passes=(), ep_chunks=None) -> tuple[list[str], list[str]]:
@@ -55,7 +49,7 @@ def _moe_layer_graphs(shape, names, ep, passes=(), ep_chunks=None) -> tuple[list
     torch.manual_seed(0)
     mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
     moe = MoE(CFG)
-    _spread_routing(moe, max(ep, 2))
+    spread_routing(moe, max(ep, 2))
     model = simple_fsdp(moe, mesh, ep=ep, ep_chunks=ep_chunks)
     x = torch.randn(2, 16, CFG.dim, requires_grad=True)
     with captured_graphs(model, passes) as graphs:
@@ -221,7 +215,7 @@ def test_checkpointed_moe_block_regathers_and_exchanges_counts_once(fake_world, 
     mesh = init_device_mesh("cpu", (8,), mesh_dim_names=("dp_shard",))
     cfg = dataclasses.replace(CFG, n_layers=1, n_dense_layers=0)
     model = moe_transformer(cfg)
-    _spread_routing(model, 2)
+    spread_routing(model, 2)
     model = simple_fsdp(apply_activation_checkpointing(model, ac), mesh, ep=2)
     tokens = torch.randint(0, cfg.vocab_size, (2, 16))
     with captured_graphs(model) as graphs:
@@ -317,7 +311,7 @@ def _chunked_schedules(shape, names, ep, ep_chunks):
     torch.manual_seed(0)
     mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
     moe = MoE(CFG)
-    _spread_routing(moe, 2)  # expert 0 in every chunk: the fake group's all-to-alls repeat rank 0's rows
+    spread_routing(moe, 2)  # expert 0 in every chunk: the fake group's all-to-alls repeat rank 0's rows
     model = simple_fsdp(moe, mesh, ep=ep, ep_chunks=ep_chunks)
     capture = _ScheduleCapture()
     chain = SimpleFSDPPasses(user_pass=capture)

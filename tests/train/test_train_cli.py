@@ -75,8 +75,6 @@ def _error(capsys, *argv) -> str:
         (DENSE, ["--model.norm_eps", -1e-5], "model.norm_eps: must be >= 0, got -1e-05"),
         (DENSE, ["--model.max_seq_len", 16, "--training.seq_len", 32], "training.seq_len: 32 exceeds model.max_seq_len 16"),
         (DENSE, ["--training.lr", "nan"], "training.lr: must be a positive number, got nan"),
-        (MOE, ["--training.blocks_once", "true"],
-         "training.blocks_once: blocks with routed experts under parallel.ep 2 cannot compile once"),
         (DENSE, ["--training.blocks_once", "true", "--training.compile", "false"],
          "training.blocks_once: compiles SimpleFSDP's blocks once; it needs training.compile"),
         (DENSE, ["--training.precompile", "true", "--training.compile", "false"],
