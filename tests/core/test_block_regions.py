@@ -180,7 +180,7 @@ def test_regions_hold_the_block_math_and_the_outer_graph_every_fsdp_collective(f
     assert sum(line.startswith("reduce_scatter") for line in backward) == 5
 
 
-@pytest.mark.slow_on_last_rank
+@pytest.mark.slow  # 30-110 s of compiling; the structure test below guards the feature in the default suite
 def test_routed_experts_under_ep_stay_in_the_outer_graph_between_shared_regions(fake_world):
     """FSDP8 x EP2 with resharding: an MoE block is cut into regions at its attention, router and
     shared experts, shared across blocks; its routed experts' all-to-alls run in the outer graph,
@@ -271,6 +271,20 @@ def test_eager_forward_is_unchanged(fake_world):
     compile_blocks_once(model)
     assert torch.equal(model(tokens), before)
     assert getattr(model.layers[2].attention.wq, REGION_SLOTS_ATTR) == {"weight": 1}
+
+
+def test_a_block_with_routed_experts_under_ep_becomes_regions_at_its_other_submodules(fake_world):
+    """The dense block is one region; an MoE block's attention, router and shared experts are
+    regions of their own, numbering their parameters from 0; its routed experts and norms are
+    not (the slow graph test above shows what that compiles to)."""
+    model = compile_blocks_once(_wrapped(ep=2))
+    region = lambda m: type(m).__name__.startswith("CompiledOnce")
+    dense, moe = model.layers[0], model.layers[1]
+    assert region(dense) and not any(region(m) for m in list(dense.modules())[1:])
+    assert [n for n, m in moe.named_modules() if region(m)] == ["attention", "feed_forward.router", "feed_forward.shared_experts"]
+    assert getattr(moe.attention.wq, REGION_SLOTS_ATTR) == {"weight": 0}
+    assert getattr(moe.feed_forward.shared_experts, REGION_SLOTS_ATTR) == {"w1": 0, "w3": 1, "w2": 2}
+    assert not hasattr(moe.feed_forward.experts, REGION_SLOTS_ATTR) and not hasattr(moe.ffn_norm, REGION_SLOTS_ATTR)
 
 
 _data_dependent_rows = torch.compiler.nested_compile_region(lambda rows, w: torch.nn.functional.silu(rows @ w))
