@@ -6,17 +6,26 @@ The suite runs on two pytest-xdist workers (``pytest.ini``). Tests marked ``rank
 ranks in processes of their own; they form one xdist group, so one worker runs them one launch at
 a time (a launch already uses every core, and ``launch_once`` results are shared within a worker),
 while the other worker runs the single-process tests. A test that launches ranks without the mark
-fails, naming itself (the launcher is wrapped here)."""
+fails, naming itself (the launcher is wrapped here).
+
+Inductor compiles the suite's C++ kernels without SIMD (``TORCHINDUCTOR_VEC_ISA_OK=0``, set before
+torch is imported, so spawned ranks and CLI subprocesses inherit it): gcc then takes about half as
+long, and nothing the tests check (graphs, collectives, parity with eager or between two compiled
+runs) depends on the kernels' instruction set. Users and the benchmarks keep Inductor's default."""
 
 from __future__ import annotations
 
-import functools
+import os
 
-import expecttest
-import pytest
-import torch.distributed as dist
+os.environ.setdefault("TORCHINDUCTOR_VEC_ISA_OK", "0")
 
-import simplefsdp.train.launch as launch
+import functools  # noqa: E402
+
+import expecttest  # noqa: E402
+import pytest  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+import simplefsdp.train.launch as launch  # noqa: E402
 
 _running: dict = {}  # the test item being run
 
