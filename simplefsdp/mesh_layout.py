@@ -51,6 +51,9 @@ class ExpertLayout:
     replicate_mesh: DeviceMesh | None
     edp_mesh: DeviceMesh
     ep_mesh: DeviceMesh
+    # the same edp x ep ranks as one 1-D mesh (``dp_shard``, with tp ``dp_shard_tp``), rank
+    # ``edp_index * ep + ep_index``: one collective can reach every part of an expert parameter
+    flat_mesh: DeviceMesh
     tp_mesh: DeviceMesh | None = None
 
     @property
@@ -207,10 +210,10 @@ def _expert_layout(mesh: DeviceMesh, dims: tuple[str, ...], ep: int) -> ExpertLa
     replicate = mesh[DP_REPLICATE] if DP_REPLICATE in dims else None
     if TP not in dims:
         sparse = _unflatten(mesh, dims.index(DP_SHARD), (degree // ep, ep), ("edp", "ep"))
-        return ExpertLayout(sparse, replicate, sparse["edp"], sparse["ep"])
+        return ExpertLayout(sparse, replicate, sparse["edp"], sparse["ep"], mesh[DP_SHARD])
     flat = mesh[split]._flatten("dp_shard_tp")
     sparse = _unflatten(flat, 0, (degree // ep, ep), ("edp", "ep"))
-    return ExpertLayout(sparse, replicate, sparse["edp"], sparse["ep"], mesh[TP])
+    return ExpertLayout(sparse, replicate, sparse["edp"], sparse["ep"], flat, mesh[TP])
 
 
 def resolve_layout(mesh: DeviceMesh, mode: str | None, ep: int = 1) -> DataParallelLayout:

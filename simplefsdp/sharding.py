@@ -23,6 +23,7 @@ replicate dim, in the model's parameter order on every rank).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -33,6 +34,10 @@ from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from simplefsdp.mesh_layout import DataParallelLayout, ExpertLayout
+
+
+# torch 2.13 renamed all_gather_into_tensor (and warns that the old name is deprecated); 2.11 has only that
+_all_gather_into = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 def chunk_bounds(size: int, parts: int, index: int) -> tuple[int, int]:
@@ -84,9 +89,14 @@ def _cut(tensor: torch.Tensor, cuts) -> torch.Tensor:
 
 def _box(shape, cuts) -> tuple[slice, ...]:
     """Where this rank's chunk lies in a ``shape``-d tensor after each (1-D mesh, dim) cut in turn."""
+    return _box_of(shape, [(mesh.size(), mesh.get_local_rank(), dim) for mesh, dim in cuts])
+
+
+def _box_of(shape, cuts) -> tuple[slice, ...]:
+    """Where chunk ``index`` of each (parts, index, dim) cut in turn lies in a ``shape``-d tensor."""
     start, size = [0] * len(shape), list(shape)
-    for mesh, dim in cuts:
-        offset, size[dim] = chunk_bounds(size[dim], mesh.size(), mesh.get_local_rank())
+    for parts, index, dim in cuts:
+        offset, size[dim] = chunk_bounds(size[dim], parts, index)
         start[dim] += offset
     return tuple(slice(a, a + n) for a, n in zip(start, size))
 
@@ -182,6 +192,26 @@ class ExpertSharding(_Sharding):
 
     def cuts(self):
         return [(self.experts.ep_mesh, 0), (self.experts.edp_mesh, self.fsdp_dim)]
+
+    def full(self, part: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+        """The whole parameter from one all-gather over the ``edp x ep`` ranks.
+
+        DTensor's ``full_tensor`` of the stored placements (a strided shard on edp, then ``Shard``
+        on ep) runs two, and warns that it cannot merge them. Parts of uneven shards are padded to
+        the largest for the collective, then each is copied into its box.
+        """
+        ep, edp, flat = self.experts.ep, self.experts.edp, self.experts.flat_mesh
+        boxes = [_box_of(shape, [(ep, r % ep, 0), (edp, r // ep, self.fsdp_dim)]) for r in range(flat.size())]
+        sizes = [[s.stop - s.start for s in box] for box in boxes]
+        numel = max(math.prod(size) for size in sizes)
+        sent = part.new_zeros(numel)
+        sent[: part.numel()] = part.reshape(-1)
+        received = part.new_empty(numel * len(boxes))
+        _all_gather_into(received, sent, group=flat.get_group())
+        whole = part.new_empty(shape)
+        for r, (box, size) in enumerate(zip(boxes, sizes)):
+            whole[box] = received[r * numel : r * numel + math.prod(size)].view(size)
+        return whole
 
     def store(self, param: torch.Tensor) -> nn.Parameter:
         experts = self.experts
