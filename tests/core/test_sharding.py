@@ -85,8 +85,8 @@ def test_each_shard_owns_its_bytes_on_every_rank(layout):
 def test_a_whole_expert_parameter_is_one_all_gather(layout):
     """``gathered(writeback=True)`` and the HF save read routed experts through ``full``: one
     all-gather over the edp x ep ranks, where DTensor's ``full_tensor`` of the stored placements
-    runs one per mesh dim (and warns). Whether the gathered values land in place is checked on gloo ranks
-    (``test_gathered_with_writeback_gives_every_parameter_whole``)."""
+    runs one per mesh dim (and warns). Whether the gathered values land in place is checked on
+    gloo ranks (``test_gathered_with_writeback_gives_every_parameter_whole``)."""
     from torch.distributed.tensor.debug import CommDebugMode
 
     from simplefsdp.sharding import ExpertSharding
@@ -94,8 +94,10 @@ def test_a_whole_expert_parameter_is_one_all_gather(layout):
     world, shape, names, ep, num_experts = LAYOUTS[layout]
     for rank in (0, world - 1):
         with _wrapped(rank, world, shape, names, ep, num_experts) as (model, _):
-            experts = [(getattr(m, WRAPPED_ATTR).shardings[n], p) for m in model.modules() if is_wrapped(m)
-                       for n, p in m._parameters.items() if isinstance(getattr(m, WRAPPED_ATTR).shardings.get(n), ExpertSharding)]
+            experts = []
+            for m in model.modules():
+                shardings = getattr(m, WRAPPED_ATTR).shardings if is_wrapped(m) else {}
+                experts += [(s, m._parameters[n]) for n, s in shardings.items() if isinstance(s, ExpertSharding)]
             assert experts, layout
             for sharding, param in experts:
                 with CommDebugMode() as comm:
@@ -142,4 +144,3 @@ def test_shared_gathers_die_with_their_model(fake_world):
     del model
     gc.collect()
     assert len(param_gather._GATHERS) == before
-
