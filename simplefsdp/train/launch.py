@@ -9,7 +9,8 @@ wait forever in a collective). A run past ``timeout`` seconds is killed and fail
 
 Each rank's stderr (fd 2, so also native-code messages such as an abort's) goes to a log file that
 the parent copies to its own stderr as it grows, each line prefixed with ``[rank N]``; a rank that
-dies shows the end of its log in the error, and ``faulthandler`` adds its Python stacks.
+dies shows the end of its log in the error, and ``faulthandler`` adds its Python stacks. The logs'
+temporary folder is removed when the launch ends.
 
 The ranks share the launching process's Inductor cache dir (``TORCHINDUCTOR_CACHE_DIR``, which
 importing ``torch._inductor.config``, as ``simplefsdp`` does, sets to torch's per-user dir when
@@ -24,6 +25,7 @@ import faulthandler
 import os
 import pickle
 import queue
+import shutil
 import socket
 import sys
 import tempfile
@@ -164,4 +166,5 @@ def run_ranks(fn, world_size: int, *args, timeout: float = 600.0) -> list:
                 p.kill()
             p.join()
         logs.copy_new_lines(final=True)
+        shutil.rmtree(run_dir, ignore_errors=True)  # every line is on our stderr, and in any error
     return [outputs[r] for r in range(world_size)]

@@ -4,6 +4,7 @@ lost connection."""
 from __future__ import annotations
 
 import os
+import tempfile
 
 import pytest
 
@@ -21,12 +22,16 @@ def _rank1_crashes():
     dist.all_reduce(torch.ones(1))
 
 
-def test_crashed_rank_is_named():
+def test_crashed_rank_is_named(monkeypatch):
+    made, mkdtemp = [], tempfile.mkdtemp
+    monkeypatch.setattr(tempfile, "mkdtemp", lambda **kwargs: made.append(mkdtemp(**kwargs)) or made[-1])
     with pytest.raises(RuntimeError) as error:
         run_ranks(_rank1_crashes, 2, timeout=120)
     # whether the parent sees rank 1 exit first, or rank 0 lose its connection first, the report
     # leads with the crashed rank
     assert str(error.value).startswith("rank 1 died with exit code 7")
+    # the folder of the ranks' stderr logs is gone once the launch ends (its end is in the error)
+    assert len(made) == 1 and not os.path.exists(made[0])
 
 
 def _rank0_aborts():
