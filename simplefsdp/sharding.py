@@ -36,7 +36,7 @@ from torch.distributed.tensor.placement_types import _StridedShard
 from simplefsdp.mesh_layout import DataParallelLayout, ExpertLayout
 
 
-# torch 2.13 renamed all_gather_into_tensor (and warns that the old name is deprecated); 2.11 has only that
+# torch 2.13 deprecates all_gather_into_tensor for all_gather_single (same arguments); older torch may lack the new name
 _all_gather_into = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
