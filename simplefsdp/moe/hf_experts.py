@@ -17,9 +17,11 @@ forward routes tokens through the module's :class:`~simplefsdp.moe.token_dispatc
 
 1. split the tokens into the dispatcher's chunks and sort each chunk's token slots by expert
    (:func:`~simplefsdp.moe.token_dispatch.by_expert`);
-2. the dispatcher sends the rows to the ranks holding their experts; there each row carries its
-   local expert id, and HF's own forward (the configured implementation) runs on them with the
-   ep rank's experts, ``num_experts`` set to their count, top-1 and a routing weight of one;
+2. the dispatcher sends the rows to the ranks holding their experts, where they arrive grouped by
+   local expert: under ``grouped_mm`` HF's grouped matmuls run on them as they are (below);
+   under other implementations each row carries its local expert id, and HF's own forward runs
+   on them with the ep rank's experts, ``num_experts`` set to their count, top-1 and a routing
+   weight of one;
 3. back home, each slot's output is weighted and the k slots of a token summed, as HF's
    ``grouped_mm`` implementation does it (in the routing weights' dtype, then cast back).
 
@@ -27,6 +29,20 @@ The experts' weights are read once per forward for all chunks, and HF's forward 
 view (:class:`_LocalExperts`) that holds those tensors: under torch.compile every read of a
 parameter traces a gather, and a read per chunk would gather, and reduce-scatter, each weight once
 per chunk.
+
+**HF's ``grouped_mm`` math without its sort.** HF's ``grouped_mm`` forward sorts the token slots by
+expert, gathers their rows, zeroes "sentinel" rows (ids past ``num_experts``, which only its own
+expert parallelism makes) before and after each grouped matmul, weights the rows, and un-sorts them
+with a scatter of an inverse permutation and a gather. Rows that arrive grouped by expert need only
+its grouped matmuls and gate (:func:`_grouped_mm_rows`, HF's own ``_grouped_linear`` and
+``_apply_gate``). ``simple_fsdp`` with ``ep=1`` swaps the class too (``dispatcher=None``): its
+forward (:func:`_grouped_mm_forward`) sorts with HF's own ``torch.sort``, so every row meets the
+same kernels in the same order, and puts the outputs back in slot order with one ``index_copy``
+(backward: a gather) before weighting them. Same values, same order of every sum: forward and
+gradients are bitwise HF's own (``tests/moe/test_hf_experts.py``); what goes is the masks (three
+full passes over the rows, forward and backward), the inverse permutation, and the un-sort's gather,
+whose backward is an accumulating scatter. Other implementations (``batched_mm``, ``eager``) run as
+HF wrote them.
 """
 
 from __future__ import annotations
@@ -37,7 +53,7 @@ import torch
 import torch.nn as nn
 
 from simplefsdp.generated_classes import generated_class
-from simplefsdp.moe.token_dispatch import TokenDispatcher, by_expert
+from simplefsdp.moe.token_dispatch import TokenDispatcher, by_expert, tokens_per_expert
 
 # what @use_experts_implementation sets on every instance of a decorated experts class
 _DECORATOR_ATTRS = ("has_gate", "has_bias", "is_transposed", "is_concatenated", "config")
@@ -96,6 +112,49 @@ class _OneAutogradNode(torch.autograd.Function):
         return None, None, *full
 
 
+def _hf_moe_integration():
+    """transformers' ``integrations.moe`` if it has the two helpers :func:`_grouped_mm_rows` calls
+    (transformers 5.x), else None: then HF's own forward runs."""
+    try:
+        from transformers.integrations import moe
+    except ImportError:
+        return None
+    return moe if hasattr(moe, "_grouped_linear") else None
+
+
+def _runs_grouped_mm_rows(module: nn.Module) -> bool:
+    return module.config._experts_implementation == "grouped_mm" and _hf_moe_integration() is not None
+
+
+def _grouped_mm_rows(experts, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """The expert outputs of ``rows`` grouped by expert (``counts[e]`` rows for expert ``e``, in
+    order): the grouped matmuls, biases and gate of HF's ``grouped_mm_experts_forward``, called as
+    it calls them. ``experts`` is the module or a :class:`_LocalExperts` view of it."""
+    grouped_linear = _hf_moe_integration()._grouped_linear
+    offsets = torch.cumsum(counts, 0, dtype=torch.int32)
+    expert_of_row = None
+    if experts.has_bias:
+        expert_of_row = torch.repeat_interleave(
+            torch.arange(counts.shape[0], device=rows.device), counts, output_size=rows.shape[0]
+        )
+    bias = lambda name: getattr(experts, name)[expert_of_row] if experts.has_bias else None
+    up = "gate_up_proj" if experts.has_gate else "up_proj"
+    out = grouped_linear(rows, getattr(experts, up), offsets, bias=bias(f"{up}_bias"), is_transposed=experts.is_transposed)
+    out = experts._apply_gate(out) if experts.has_gate else experts.act_fn(out)
+    return grouped_linear(out, experts.down_proj, offsets, bias=bias("down_proj_bias"), is_transposed=experts.is_transposed)
+
+
+def _grouped_mm_forward(experts: nn.Module, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
+    """HF's ``grouped_mm`` experts forward on one rank, without its sentinel masks and inverse
+    permutation (module docstring): the same sort, rows, kernels and sums."""
+    top_k = top_k_index.shape[-1]
+    _, order = torch.sort(top_k_index.reshape(-1))  # HF's sort: its order within an expert, too
+    out = _grouped_mm_rows(experts, hidden[order // top_k], tokens_per_expert(top_k_index, experts.num_experts))
+    slots = out.new_empty(out.shape).index_copy(0, order, out)
+    weighted = slots.view(*top_k_index.shape, hidden.shape[-1]) * top_k_weights.unsqueeze(-1)
+    return weighted.sum(1).to(hidden.dtype)
+
+
 def _routing_arguments(names: tuple[str, str, str], args, kwargs):
     """(hidden states, expert ids, routing weights) from a call of HF's forward, whatever it names them."""
     values = dict(zip(names, args), **kwargs)
@@ -118,11 +177,16 @@ def _make_expert_parallel_class(hf_class: type) -> type:
 
     def forward(self, *args, **kwargs) -> torch.Tensor:
         hidden, top_k_index, top_k_weights = _routing_arguments(names, args, kwargs)
-        dispatcher: TokenDispatcher = self.expert_parallel
+        dispatcher: TokenDispatcher | None = self.expert_parallel
+        grouped_rows = _runs_grouped_mm_rows(self)
+        if dispatcher is None:  # ep 1
+            return _grouped_mm_forward(self, hidden, top_k_index, top_k_weights) if grouped_rows else hf_forward(self, *args, **kwargs)
         weights = {n: getattr(self, n) for n in self._parameters}  # read (gathered) once for all chunks
         one_node = self.config._experts_implementation not in _STATIC_GRAPH_IMPLEMENTATIONS
 
         def local_experts(rows: torch.Tensor, group_counts: torch.Tensor) -> torch.Tensor:
+            if grouped_rows:
+                return _grouped_mm_rows(_LocalExperts(self, weights, dispatcher.local_experts), rows, group_counts)
             n = rows.shape[0]
             ids = torch.repeat_interleave(
                 torch.arange(dispatcher.local_experts, device=rows.device), group_counts, output_size=n
@@ -143,7 +207,8 @@ def _make_expert_parallel_class(hf_class: type) -> type:
     return generated_class((expert_parallel_class, (hf_class,)), f"ExpertParallel{hf_class.__name__}", hf_class, {"forward": forward})
 
 
-def make_expert_parallel(module: nn.Module, dispatcher: TokenDispatcher) -> None:
-    """Route ``module``'s tokens through ``dispatcher`` (class swap; the weights stay as they are)."""
+def make_expert_parallel(module: nn.Module, dispatcher: TokenDispatcher | None) -> None:
+    """Route ``module``'s tokens through ``dispatcher``, or with None (ep 1) run HF's
+    ``grouped_mm`` without its sort (class swap; the weights stay as they are)."""
     module.expert_parallel = dispatcher
     module.__class__ = expert_parallel_class(type(module))

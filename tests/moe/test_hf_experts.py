@@ -1,0 +1,84 @@
+"""Hugging Face experts under ``simple_fsdp`` with ``ep=1``: HF's ``grouped_mm`` math without its
+sentinel masks and inverse permutation (:mod:`simplefsdp.moe.hf_experts`), bitwise HF's own.
+
+Each family's experts module, in fp32 on the CPU, computes the same outputs and the same
+gradients (inputs, routing weights, every expert weight and bias) with its class swapped as with
+HF's own ``grouped_mm`` forward; ``simple_fsdp`` swaps it at ``ep=1`` and leaves ``batched_mm``
+and ``eager`` to HF.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch.distributed.device_mesh import init_device_mesh
+
+pytest.importorskip("transformers")
+
+from simplefsdp import simple_fsdp
+from simplefsdp.models.hf import hf_causal_lm, hf_config
+from simplefsdp.moe.hf_experts import expert_parallel_class, is_hf_experts, make_expert_parallel
+from tests.moe.hf_families import FAMILIES
+
+
+def _experts(family: str, impl: str = "grouped_mm"):
+    torch.manual_seed(0)
+    model = hf_causal_lm(hf_config(family, **FAMILIES[family]), experts_implementation=impl)
+    return model, next(m for m in model.modules() if is_hf_experts(m))
+
+
+def _step(experts, hidden, index, weights):
+    """Output and the gradients of inputs and parameters for one backward of a fixed cotangent."""
+    hidden, weights = hidden.clone().requires_grad_(), weights.clone().requires_grad_()
+    out = experts(hidden, index, weights)
+    out.backward(torch.linspace(-1, 1, out.numel()).view_as(out))
+    grads = {"hidden": hidden.grad, "weights": weights.grad}
+    grads.update({n: p.grad for n, p in experts.named_parameters()})
+    return out, grads
+
+
+@pytest.mark.parametrize("top_k", [2, 5])
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_ep1_grouped_mm_is_bitwise_hfs_own(family, top_k):
+    """Forward and every gradient equal HF's ``grouped_mm`` bit for bit (top-5: sums of five slots
+    per token, whose order matters in fp32); one expert receives no token."""
+    _, hf = _experts(family)
+    ours = copy.deepcopy(hf)
+    make_expert_parallel(ours, None)
+    torch.manual_seed(1)
+    tokens = 29
+    hidden = torch.randn(tokens, FAMILIES[family]["hidden_size"])
+    scores = torch.randn(tokens, hf.num_experts)
+    scores[:, 3] = -float("inf")  # expert 3 gets no token
+    weights, index = torch.softmax(scores, -1).topk(top_k, -1)
+    hf_out, hf_grads = _step(hf, hidden, index, weights)
+    our_out, our_grads = _step(ours, hidden, index, weights)
+    assert type(ours).__name__ == f"ExpertParallel{type(hf).__name__}"
+    assert torch.equal(our_out, hf_out)
+    assert hf_grads.keys() == our_grads.keys()
+    for name in hf_grads:
+        assert torch.equal(our_grads[name], hf_grads[name]), name
+    assert our_grads[next(n for n in hf_grads if n.endswith("proj"))][3].abs().sum() == 0  # no token, no gradient
+
+
+@pytest.mark.parametrize("ep", [1, 2])
+@pytest.mark.parametrize("impl", ["grouped_mm", "batched_mm"])
+def test_simple_fsdp_runs_hf_grouped_mm_without_its_sort_and_keeps_other_implementations(impl, ep, fake_world, monkeypatch):
+    """At ep 1 the swapped class runs HF's grouped matmuls on its own sorted rows; at ep 2 the ep
+    ranks run them on the rows they receive, grouped by expert, without HF's forward sorting them
+    again."""
+    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+
+    model, experts = _experts("qwen3_moe", impl)
+    hf_class = type(experts)
+    simple_fsdp(model, init_device_mesh("cpu", (8,), mesh_dim_names=("dp_shard",)), ep=ep)
+    assert isinstance(experts, expert_parallel_class(hf_class)) and (experts.expert_parallel is None) == (ep == 1)
+    called = []
+    hf_impl = ALL_EXPERTS_FUNCTIONS[impl]
+    monkeypatch.setitem(ALL_EXPERTS_FUNCTIONS._global_mapping, impl, lambda *a: called.append(1) or hf_impl(*a))
+    torch.manual_seed(1)
+    # the fake world moves no data: this checks which forward runs, not values
+    experts(torch.randn(5, 32), torch.randint(0, 8, (5, 2)), torch.rand(5, 2))
+    assert bool(called) == (impl != "grouped_mm")  # one call per token chunk at ep 2
