@@ -112,25 +112,21 @@ class _OneAutogradNode(torch.autograd.Function):
         return None, None, *full
 
 
-def _hf_moe_integration():
-    """transformers' ``integrations.moe`` if it has the two helpers :func:`_grouped_mm_rows` calls
-    (transformers 5.x), else None: then HF's own forward runs."""
+def _hf_grouped_linear():
+    """transformers' ``_grouped_linear`` (5.x), which :func:`_grouped_mm_rows` calls as HF's
+    ``grouped_mm`` forward does, or None (then HF's own forward runs). Looked up when the class is
+    made: Dynamo does not trace transformers' lazy module imports."""
     try:
         from transformers.integrations import moe
     except ImportError:
         return None
-    return moe if hasattr(moe, "_grouped_linear") else None
+    return getattr(moe, "_grouped_linear", None)
 
 
-def _runs_grouped_mm_rows(module: nn.Module) -> bool:
-    return module.config._experts_implementation == "grouped_mm" and _hf_moe_integration() is not None
-
-
-def _grouped_mm_rows(experts, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+def _grouped_mm_rows(grouped_linear, experts, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
     """The expert outputs of ``rows`` grouped by expert (``counts[e]`` rows for expert ``e``, in
     order): the grouped matmuls, biases and gate of HF's ``grouped_mm_experts_forward``, called as
     it calls them. ``experts`` is the module or a :class:`_LocalExperts` view of it."""
-    grouped_linear = _hf_moe_integration()._grouped_linear
     offsets = torch.cumsum(counts, 0, dtype=torch.int32)
     expert_of_row = None
     if experts.has_bias:
@@ -144,12 +140,13 @@ def _grouped_mm_rows(experts, rows: torch.Tensor, counts: torch.Tensor) -> torch
     return grouped_linear(out, experts.down_proj, offsets, bias=bias("down_proj_bias"), is_transposed=experts.is_transposed)
 
 
-def _grouped_mm_forward(experts: nn.Module, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
+def _grouped_mm_forward(grouped_linear, experts: nn.Module, hidden: torch.Tensor, top_k_index: torch.Tensor,
+                        top_k_weights: torch.Tensor) -> torch.Tensor:
     """HF's ``grouped_mm`` experts forward on one rank, without its sentinel masks and inverse
     permutation (module docstring): the same sort, rows, kernels and sums."""
     top_k = top_k_index.shape[-1]
     _, order = torch.sort(top_k_index.reshape(-1))  # HF's sort: its order within an expert, too
-    out = _grouped_mm_rows(experts, hidden[order // top_k], tokens_per_expert(top_k_index, experts.num_experts))
+    out = _grouped_mm_rows(grouped_linear, experts, hidden[order // top_k], tokens_per_expert(top_k_index, experts.num_experts))
     slots = out.new_empty(out.shape).index_copy(0, order, out)
     weighted = slots.view(*top_k_index.shape, hidden.shape[-1]) * top_k_weights.unsqueeze(-1)
     return weighted.sum(1).to(hidden.dtype)
@@ -171,6 +168,7 @@ def expert_parallel_class(hf_class: type) -> type:
 
 def _make_expert_parallel_class(hf_class: type) -> type:
     hf_forward = hf_class.forward
+    grouped_linear = _hf_grouped_linear()
     # parameter names after self: (hidden_states, top_k_index, top_k_weights) in most families,
     # (hidden_states, router_indices, routing_weights) in gpt-oss
     names = tuple(inspect.signature(hf_forward).parameters)[1:4]
@@ -178,15 +176,17 @@ def _make_expert_parallel_class(hf_class: type) -> type:
     def forward(self, *args, **kwargs) -> torch.Tensor:
         hidden, top_k_index, top_k_weights = _routing_arguments(names, args, kwargs)
         dispatcher: TokenDispatcher | None = self.expert_parallel
-        grouped_rows = _runs_grouped_mm_rows(self)
+        grouped_rows = grouped_linear is not None and self.config._experts_implementation == "grouped_mm"
         if dispatcher is None:  # ep 1
-            return _grouped_mm_forward(self, hidden, top_k_index, top_k_weights) if grouped_rows else hf_forward(self, *args, **kwargs)
+            if not grouped_rows:
+                return hf_forward(self, *args, **kwargs)
+            return _grouped_mm_forward(grouped_linear, self, hidden, top_k_index, top_k_weights)
         weights = {n: getattr(self, n) for n in self._parameters}  # read (gathered) once for all chunks
         one_node = self.config._experts_implementation not in _STATIC_GRAPH_IMPLEMENTATIONS
 
         def local_experts(rows: torch.Tensor, group_counts: torch.Tensor) -> torch.Tensor:
             if grouped_rows:
-                return _grouped_mm_rows(_LocalExperts(self, weights, dispatcher.local_experts), rows, group_counts)
+                return _grouped_mm_rows(grouped_linear, _LocalExperts(self, weights, dispatcher.local_experts), rows, group_counts)
             n = rows.shape[0]
             ids = torch.repeat_interleave(
                 torch.arange(dispatcher.local_experts, device=rows.device), group_counts, output_size=n

@@ -82,3 +82,25 @@ def test_simple_fsdp_runs_hf_grouped_mm_without_its_sort_and_keeps_other_impleme
     # the fake world moves no data: this checks which forward runs, not values
     experts(torch.randn(5, 32), torch.randint(0, 8, (5, 2)), torch.rand(5, 2))
     assert bool(called) == (impl != "grouped_mm")  # one call per token chunk at ep 2
+
+
+def test_compiled_in_bf16_like_hfs_own_compiled():
+    """fullgraph under torch.compile (bf16: HF's grouped_mm compiles there). Output, routing-weight
+    and expert-weight gradients are bitwise HF's compiled ones; the input gradient is a scatter-add
+    Inductor runs with atomics, which differs between two calls of HF's own compiled module too."""
+    _, hf = _experts("qwen3_moe")
+    hf = hf.to(torch.bfloat16)
+    ours = copy.deepcopy(hf)
+    make_expert_parallel(ours, None)
+    torch.manual_seed(1)
+    hidden = torch.randn(64, FAMILIES["qwen3_moe"]["hidden_size"], dtype=torch.bfloat16)
+    weights, index = torch.softmax(torch.randn(64, hf.num_experts), -1).topk(4, -1)
+    inputs = hidden, index, weights.to(torch.bfloat16)
+    hf_out, hf_grads = _step(torch.compile(hf, fullgraph=True), *inputs)
+    our_out, our_grads = _step(torch.compile(ours, fullgraph=True), *inputs)
+    assert torch.equal(our_out, hf_out)
+    for name in hf_grads:
+        if name == "hidden":
+            torch.testing.assert_close(our_grads[name], hf_grads[name], rtol=0, atol=1e-4)
+        else:
+            assert torch.equal(our_grads[name], hf_grads[name]), name
