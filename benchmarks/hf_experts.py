@@ -18,14 +18,14 @@ from __future__ import annotations
 import argparse
 import copy
 import json
-import statistics
 
 import torch
 
-from simplefsdp.models.hf import hf_config, hf_causal_lm
+from simplefsdp.models.hf import hf_causal_lm
 from simplefsdp.moe.hf_experts import is_hf_experts, make_expert_parallel
 from simplefsdp.train.config import load
 
+from optimizer_step import median_ms
 from report import command_line, environment, output_arguments, publish, table
 
 
@@ -63,20 +63,6 @@ def unequal(a: dict, b: dict) -> str:
     return ", ".join(f"{k} ({(a[k].float() - b[k].float()).abs().max():.2g})" for k in a if not torch.equal(a[k], b[k])) or "none"
 
 
-def milliseconds(fn, iters: int, repeats: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(iters):
-            fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / iters)
-    return statistics.median(times)
-
-
 def measure(config: str, iters: int, repeats: int) -> list[dict]:
     hf, inputs = experts_and_inputs(config, "cuda")
     ours = copy.deepcopy(hf)
@@ -88,7 +74,7 @@ def measure(config: str, iters: int, repeats: int) -> list[dict]:
         first = step(runs["HF grouped_mm"], inputs, grad_out)
         for name, m in runs.items():
             # against HF's first call: HF's own second call shows what varies between calls
-            rows.append(dict(run=name, mode=how, ms=milliseconds(lambda: step(m, inputs, grad_out), iters, repeats),
+            rows.append(dict(run=name, mode=how, ms=median_ms(lambda: step(m, inputs, grad_out), 1, iters, repeats),
                              unequal=unequal(first, step(m, inputs, grad_out))))
     return rows
 
