@@ -115,7 +115,8 @@ class _OneAutogradNode(torch.autograd.Function):
 def _hf_grouped_linear():
     """transformers' ``_grouped_linear`` (5.x), which :func:`_grouped_mm_rows` calls as HF's
     ``grouped_mm`` forward does, or None (then HF's own forward runs). Looked up when the class is
-    made: Dynamo does not trace transformers' lazy module imports."""
+    made: torch 2.11's Dynamo refuses the import inside a traced forward ("Bad import result":
+    transformers' modules are lazy)."""
     try:
         from transformers.integrations import moe
     except ImportError:
