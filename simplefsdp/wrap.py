@@ -28,7 +28,6 @@ from simplefsdp import compile_cache, passes, sharding
 from simplefsdp.eager_reshard import resharding_saved_tensors
 from simplefsdp.hf_generate import sync_generate
 from simplefsdp.mesh_layout import DataParallelLayout, resolve_layout
-from simplefsdp.moe.hf_experts import is_hf_experts, make_expert_parallel
 from simplefsdp.moe.routed_experts import is_routed_experts, set_dispatcher, unrecognised_experts
 from simplefsdp.moe.token_dispatch import DEFAULT_EP_CHUNKS, TokenDispatcher, token_group
 from simplefsdp.param_access import ForwardState, WrappedParams, attach, count_forwards, is_wrapped
@@ -345,8 +344,8 @@ def simple_fsdp(
             set_dispatcher(
                 module, TokenDispatcher(experts.ep_mesh, module.num_experts, experts.tp_mesh, chunks=chunks, group=tokens)
             )
-        elif is_hf_experts(module):  # ep 1: HF's grouped_mm without its sentinel masks, bitwise (hf_experts)
-            make_expert_parallel(module, None)
+        elif is_routed_experts(module):  # ep 1: HF experts run HF's grouped_mm without its sort (hf_experts)
+            set_dispatcher(module, None)
         wrapped = WrappedParams(
             gathers={n: plan[n][0] for n in names},
             shardings={n: plan[n][1] for n in names},

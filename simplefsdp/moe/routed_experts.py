@@ -32,8 +32,9 @@ def unrecognised_experts(model: nn.Module) -> list[str]:
     ]
 
 
-def set_dispatcher(module: nn.Module, dispatcher: TokenDispatcher) -> None:
-    """Make ``module`` (routed experts) exchange its tokens through ``dispatcher``."""
+def set_dispatcher(module: nn.Module, dispatcher: TokenDispatcher | None) -> None:
+    """Make ``module`` (routed experts) exchange its tokens through ``dispatcher``; None (ep 1):
+    keep them on this rank (Hugging Face experts then run HF's ``grouped_mm`` without its sort)."""
     if is_hf_experts(module):
         make_expert_parallel(module, dispatcher)
     else:
