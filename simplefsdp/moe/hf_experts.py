@@ -37,11 +37,13 @@ with a scatter of an inverse permutation and a gather. Rows that arrive grouped 
 its grouped matmuls and gate (:func:`_grouped_mm_rows`, HF's own ``_grouped_linear`` and
 ``_apply_gate``). ``simple_fsdp`` with ``ep=1`` swaps the class too (``dispatcher=None``): its
 forward (:func:`_grouped_mm_forward`) sorts with HF's own ``torch.sort``, so every row meets the
-same kernels in the same order, and puts the outputs back in slot order with one ``index_copy``
-(backward: a gather) before weighting them. Same values, same order of every sum: forward and
-gradients are bitwise HF's own (``tests/moe/test_hf_experts.py``); what goes is the masks (three
-full passes over the rows, forward and backward), the inverse permutation, and the un-sort's gather,
-whose backward is an accumulating scatter. Other implementations (``batched_mm``, ``eager``) run as
+same kernels in the same order, and moves rows with :mod:`simplefsdp.moe.token_slots`, gathers
+whose gradients are gathers: the token rows, whose gradient adds each token's rows in the order
+HF's accumulating scatter does, and the outputs back to slot order, a gather that torch.compile
+fuses into the weighted sum. Same values, same order of every sum: forward and gradients are
+bitwise HF's own in eager (``tests/moe/test_hf_experts.py``); what goes is the masks (three full
+passes over the rows, forward and backward), the un-sort's two permutations, and, compiled, the
+atomic adds of the accumulating scatters. Other implementations (``batched_mm``, ``eager``) run as
 HF wrote them.
 """
 
@@ -54,6 +56,7 @@ import torch.nn as nn
 
 from simplefsdp.generated_classes import generated_class
 from simplefsdp.moe.token_dispatch import TokenDispatcher, by_expert, tokens_per_expert
+from simplefsdp.moe.token_slots import inverse_permutation, permuted_rows, repeated_rows
 
 # what @use_experts_implementation sets on every instance of a decorated experts class
 _DECORATOR_ATTRS = ("has_gate", "has_bias", "is_transposed", "is_concatenated", "config")
@@ -147,8 +150,10 @@ def _grouped_mm_forward(grouped_linear, experts: nn.Module, hidden: torch.Tensor
     permutation (module docstring): the same sort, rows, kernels and sums."""
     top_k = top_k_index.shape[-1]
     _, order = torch.sort(top_k_index.reshape(-1))  # HF's sort: its order within an expert, too
-    out = _grouped_mm_rows(grouped_linear, experts, hidden[order // top_k], tokens_per_expert(top_k_index, experts.num_experts))
-    slots = out.new_empty(out.shape).index_copy(0, order, out)
+    inverse = inverse_permutation(order)
+    rows = repeated_rows(hidden, order, inverse, top_k)
+    out = _grouped_mm_rows(grouped_linear, experts, rows, tokens_per_expert(top_k_index, experts.num_experts))
+    slots = permuted_rows(out, inverse, order)
     weighted = slots.view(*top_k_index.shape, hidden.shape[-1]) * top_k_weights.unsqueeze(-1)
     return weighted.sum(1).to(hidden.dtype)
 

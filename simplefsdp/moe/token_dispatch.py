@@ -41,6 +41,8 @@ import torch.distributed._functional_collectives as funcol
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
+from simplefsdp.moe.token_slots import inverse_permutation, permuted_rows, repeated_rows
+
 
 DEFAULT_EP_CHUNKS = 2  # token chunks per MoE layer with ep > 1 (simple_fsdp's ep_chunks)
 
@@ -82,12 +84,13 @@ def by_expert(
     rows, counts, orders = [], [], []
     for start, end in token_chunks(x.shape[0], chunks):
         order = torch.argsort(experts[start:end].flatten(), stable=True)
-        rows.append(x[start:end][order // top_k])
+        inverse = inverse_permutation(order)
+        rows.append(repeated_rows(x[start:end], order, inverse, top_k))
         counts.append(tokens_per_expert(experts[start:end], num_experts))
-        orders.append(order)
+        orders.append((order, inverse))
     # sized by the order (static), not by the experts' rows (data-dependent after an all-to-all):
     # what follows, a compiled region's input included, keeps static shapes
-    outs = [out.new_empty(order.shape + out.shape[1:]).index_copy(0, order, out) for out, order in zip(run(rows, counts), orders)]
+    outs = [permuted_rows(out, inverse, order) for out, (order, inverse) in zip(run(rows, counts), orders)]
     return outs[0] if len(outs) == 1 else torch.cat(outs)
 
 
@@ -222,8 +225,9 @@ class TokenDispatcher:
                 output_size=rows_in.shape[0],
             )
             order = torch.argsort(expert_of_row, stable=True)
-            out = local_experts(rows_in[order], recv_counts[chunk].sum(0))
-            out = torch.empty_like(out).index_copy(0, order, out)
+            inverse = inverse_permutation(order)
+            out = local_experts(permuted_rows(rows_in, order, inverse), recv_counts[chunk].sum(0))
+            out = permuted_rows(out, inverse, order)
             outs.append(funcol.all_to_all_single_autograd(out, send_splits[chunk], recv_splits[chunk], self.group))
         if self.tp_mesh is None:
             return outs

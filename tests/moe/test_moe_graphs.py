@@ -232,6 +232,27 @@ def test_checkpointed_moe_block_regathers_and_exchanges_counts_once(fake_world, 
     assert count(backward, "all_gather_into_tensor[edp]") == 3  # routed experts w1, w3, w2
 
 
+_ACCUMULATING = {"index_put", "index_put_", "_unsafe_index_put", "index_add", "scatter_add", "scatter_reduce"}
+
+
+@pytest.mark.parametrize("ep", [1, 2])
+def test_token_rows_move_by_gathers_without_accumulating_scatters(fake_world, ep):
+    """Sorting token slots by expert, the ep rank's reorder by local expert and the way back are
+    gathers in both directions (:mod:`simplefsdp.moe.token_slots`): no scatter that accumulates
+    into a ``[rows, dim]`` buffer in either graph (plain indexing's backward is one, run with atomic
+    adds). The grouped-matmul reference's scatters into ``[experts, ...]`` weight gradients stay."""
+    found = []
+
+    def spy(graph):
+        for node in graph.nodes:
+            val = node.meta.get("val")
+            if _op(node) in _ACCUMULATING and isinstance(val, torch.Tensor) and val.dim() == 2 and val.shape[-1] == CFG.dim:
+                found.append(str(node))
+
+    _moe_layer_graphs((8,), ("dp_shard",), ep, passes=(spy,))
+    assert found == []
+
+
 def _op(node: torch.fx.Node):
     """The op a node calls, looking through a ``control_deps`` pin to the op it wraps."""
     return op_name(pinned_call(node))
