@@ -60,16 +60,10 @@ def test_same_bits_as_plain_indexing(tokens, top_k, dtype):
         assert torch.equal(ours, plain)
 
 
-def _backward_code(fn, *inputs):
+def _compiled_backward_code(fn, x, experts, w):
+    """Compiled output and gradients (as :func:`_out_and_grads`) and the backward's generated code."""
     torch._dynamo.reset()
-    leaves = [t.clone().requires_grad_() if t.is_floating_point() else t for t in inputs]
-
-    def step():
-        out = torch.compile(fn, fullgraph=True)(*leaves)
-        out.backward(torch.linspace(-1, 1, out.numel(), dtype=out.dtype).view_as(out))
-        return out, [t.grad for t in leaves if t.is_floating_point()]
-
-    (out, grads), codes = run_and_get_code(step)
+    (out, *grads), codes = run_and_get_code(_out_and_grads, torch.compile(fn, fullgraph=True), x, experts, w)
     return out, grads, codes[-1]
 
 
@@ -78,9 +72,9 @@ def test_compiled_backward_gathers_without_atomic_adds():
     and its values are eager's, within the rounding of the sums Inductor fuses."""
     g = torch.Generator().manual_seed(2)
     x, w, experts = torch.randn(64, 32, generator=g), torch.rand(64, 4, generator=g), _route(64, 4)
-    out, grads, code = _backward_code(_ours, x, experts, w)
+    out, grads, code = _compiled_backward_code(_ours, x, experts, w)
     assert "atomic_add" not in code
-    _, _, plain_code = _backward_code(_plain, x, experts, w)
+    _, _, plain_code = _compiled_backward_code(_plain, x, experts, w)
     assert "atomic_add" in plain_code
     eager_out, *eager_grads = _out_and_grads(_ours, x, experts, w)
     torch.testing.assert_close(out, eager_out)  # fp32's tolerances: the weighted sums fuse
