@@ -42,6 +42,7 @@ import traceback
 import torch
 import torch.distributed as dist
 
+from simplefsdp.grad_squares import tracked_grad_squares
 from simplefsdp.train.config import load, validate
 from simplefsdp.train.data import rank_slice, token_stream
 from simplefsdp.train.metrics import flops_per_token, peak_flops
@@ -203,13 +204,14 @@ def run_one(model_name: str, mode: str, ac: str, *, warmup: int, steps: int, dev
     dp_rank, dp_size = rank // cfg.parallel.tp, world // cfg.parallel.tp  # tp is the inner-most mesh dim
     stream = token_stream(t.dataset, cfg.model_config().vocab_size, t.global_batch, t.seq_len, t.seed)
     params, loss_fn = list(model.parameters()), loss_function(cfg, device.type)
+    squares = tracked_grad_squares(model)
     losses, timers = [], []
 
     def step(i: int) -> None:
         batch = tuple(x.to(device) for x in rank_slice(stream.batch(i), dp_rank, dp_size))
         with StepTimer(device) as timer:
             loss, _ = train_step(runner, optimizer, batch, params=params, dp_size=dp_size, max_norm=t.max_norm,
-                                 mark=timer.mark, loss_fn=loss_fn)
+                                 mark=timer.mark, loss_fn=loss_fn, squares=squares)
         losses.append(loss)
         timers.append(timer)
 

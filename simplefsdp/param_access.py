@@ -71,6 +71,8 @@ class ForwardState:
     # compiled: the gathered parameters of the block whose region is being traced, by slot
     # (simplefsdp.block_regions)
     region: list | None = None
+    # the model's simplefsdp.grad_squares.GradSquares while its gradients' squares are tracked
+    grad_squares: object | None = None
     root_depths: list[int] = field(default_factory=list)  # len(frames) when each root forward began
     backward_depth: int | None = None  # len(frames) when a backward first re-ran a forward
 
@@ -105,9 +107,13 @@ class ForwardState:
     def gather_tied(self) -> None:
         """In a compiled root forward: gather each tied parameter once, before any module reads it."""
         self.compiled_tied = {
-            key: getattr(owner, WRAPPED_ATTR).gathers[name](owner._parameters[name])
+            key: getattr(owner, WRAPPED_ATTR).gathers[name](owner._parameters[name], self.sink(key))
             for key, (owner, name) in self.tied.items()
         }
+
+    def sink(self, key: int) -> torch.Tensor | None:
+        """Where the gradient of parameter ``key`` adds its squares, if they are tracked."""
+        return None if self.grad_squares is None else self.grad_squares.sink_of.get(key)
 
     def read(self, param: torch.Tensor, key: int, tied: bool, gather) -> torch.Tensor:
         """The shard outside a forward; inside, the tensor ``gather`` makes, once per forward."""
@@ -141,8 +147,9 @@ def _gathered_property(name: str) -> property:
             if state.region is not None:  # inside a block's compiled region: gathered outside it
                 return state.region[getattr(module, REGION_SLOTS_ATTR)[name]]
             cached = state.compiled_tied.get(wrapped.keys[name]) if wrapped.tied[name] else None
-            return wrapped.gathers[name](param) if cached is None else cached
-        return state.read(param, wrapped.keys[name], wrapped.tied[name], wrapped.gathers[name])
+            return wrapped.gathers[name](param, state.sink(wrapped.keys[name])) if cached is None else cached
+        key = wrapped.keys[name]
+        return state.read(param, key, wrapped.tied[name], functools.partial(wrapped.gathers[name], sink=state.sink(key)))
 
     return property(read)
 

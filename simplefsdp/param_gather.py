@@ -22,6 +22,7 @@ otherwise save every cast weight for backward (at world 1, about 0.3 GiB per gpu
 
 from __future__ import annotations
 
+import functools
 import logging
 import weakref
 from dataclasses import dataclass
@@ -102,9 +103,9 @@ class ParamGather:
         """Whether reading the parameter runs a collective in forward."""
         return any(isinstance(p, Shard) for _, p in self.steps)
 
-    def gather(self, param: DTensor) -> torch.Tensor:
+    def gather(self, param: DTensor, sink: torch.Tensor | None = None) -> torch.Tensor:
         """The tensor compute reads: gathered over dp, a DTensor on the tp mesh under TP."""
-        return self._for_compute(self.gather_local(param), param)
+        return self._for_compute(self.gather_local(param, sink), param)
 
     def _for_compute(self, local: torch.Tensor, param: DTensor) -> torch.Tensor:
         if self.tp is None:
@@ -113,11 +114,14 @@ class ParamGather:
         stride = torch.empty(param.shape, device="meta").stride()
         return DTensor.from_local(local, tp_mesh, tp_placements, run_check=False, shape=param.shape, stride=stride)
 
-    def gather_local(self, param: DTensor) -> torch.Tensor:
-        """All-gather ``param`` over the dp dims; its gradient is reduced back onto the shard."""
+    def gather_local(self, param: DTensor, sink: torch.Tensor | None = None) -> torch.Tensor:
+        """All-gather ``param`` over the dp dims; its gradient is reduced back onto the shard (and
+        its squares added to ``sink``, :mod:`simplefsdp.grad_squares`)."""
         reduce_dtype = self.reduce_dtype or self.param_dtype
         cast_early = reduce_dtype == self.param_dtype
         local = param.to_local()
+        if sink is not None:
+            local = _GradSquares.apply(local, sink)
         if self.grad_divisor != 1.0:
             local = _DivideGrad.apply(local, self.grad_divisor)
         last = len(self.steps) - 1
@@ -144,15 +148,16 @@ class ParamGather:
         shape[placement.dim] = param.shape[placement.dim] // dict(self.kept_split).get(placement.dim, 1)
         return torch.Size(shape), torch.empty(shape, device="meta").stride()
 
-    def __call__(self, param: DTensor) -> torch.Tensor:
+    def __call__(self, param: DTensor, sink: torch.Tensor | None = None) -> torch.Tensor:
         casts = self.param_dtype is not None and param.dtype != self.param_dtype
         if not (self.reshard_after_forward and (self.gathers or casts) and torch.is_grad_enabled()):
-            return self.gather(param)
+            return self.gather(param, sink)
         if torch.compiler.is_compiling():
             return checkpoint(
-                self.gather, param, use_reentrant=False, context_fn=_recompute_context
+                self.gather, param, sink, use_reentrant=False, context_fn=_recompute_context
             )
-        return self._for_compute(eager_reshard.gather_for_recompute(self.gather_local, param), param)
+        gather = self.gather_local if sink is None else functools.partial(self.gather_local, sink=sink)
+        return self._for_compute(eager_reshard.gather_for_recompute(gather, param), param)
 
 
 class _DivideGrad(torch.autograd.Function):
@@ -166,6 +171,20 @@ class _DivideGrad(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         return grad / ctx.divisor, None
+
+
+class _GradSquares(torch.autograd.Function):
+    """Identity forward; backward passes the gradient on and gives ``sink`` [sum of its squares, 1]
+    (:mod:`simplefsdp.grad_squares`)."""
+
+    @staticmethod
+    def forward(ctx, x, sink):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        squares = grad.float().pow(2).sum()
+        return grad, torch.stack([squares, torch.ones_like(squares)])
 
 
 # weak values: an entry lives as long as a wrapped module uses its gather, so the cache keeps no

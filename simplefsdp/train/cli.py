@@ -26,8 +26,10 @@ import torch
 import torch.distributed as dist
 
 from simplefsdp.blocks import block_list
+from simplefsdp.grad_squares import track_grad_squares, tracked_grad_squares
 from simplefsdp.train.checkpoint import CheckpointError, Checkpointer, check_folder
-from simplefsdp.train.config import BASELINES, ConfigError, JobConfig, compiled_fingerprint, load, model_fingerprint, validate
+from simplefsdp.train.config import (BASELINES, ConfigError, JobConfig, compiled_fingerprint, load, model_fingerprint,
+                                     tracks_grad_squares, validate)
 from simplefsdp.train.data import data_parallel_rank, rank_slice, token_stream
 from simplefsdp.train.optimizer import clipped_step, make_optimizer
 from simplefsdp.train.metrics import MetricsLog, StepMetrics, flops_per_token, peak_flops, peak_memory_gib
@@ -56,12 +58,13 @@ def loss_function(cfg: JobConfig, device_type: str):
 
 
 def train_step(runner, optimizer, batch, *, params, dp_size: int, max_norm: float = 0.0, mark=None,
-               loss_fn=cross_entropy_loss) -> tuple[float, float]:
+               loss_fn=cross_entropy_loss, squares=None) -> tuple[float, float]:
     """One AdamW step on this rank's slice ``batch``; the global mean loss and the gradient norm.
 
     ``mark(phase)``, if given, is called as each phase ends: ``"forward+backward"``, ``"clip"``,
     ``"optimizer"`` (the benchmarks time the phases with it). ``loss_fn(logits, labels)``: the
-    loss (:func:`loss_function`).
+    loss (:func:`loss_function`). ``squares``: the model's gradient squares from backward
+    (:func:`simplefsdp.grad_squares.tracked_grad_squares`).
     """
     mark = mark or (lambda phase: None)
     tokens, labels = batch
@@ -69,7 +72,7 @@ def train_step(runner, optimizer, batch, *, params, dp_size: int, max_norm: floa
     loss = loss_fn(getattr(out, "logits", out), labels)  # an HF model returns a ModelOutput
     loss.backward()
     mark("forward+backward")
-    norm = clipped_step(optimizer, params, max_norm, mark)
+    norm = clipped_step(optimizer, params, max_norm, mark, squares)
     optimizer.zero_grad()
     mark("optimizer")
     reported = loss.detach().clone()
@@ -166,6 +169,8 @@ def build(cfg: JobConfig, world: int, device_type: str):
                             reshard_after_forward=p.reshard_after_forward)
         if weights:
             load_hf_weights(model, weights)
+        if tracks_grad_squares(cfg):
+            track_grad_squares(model)
         runner = model
         if t.compile:
             passes = {} if t.passes else dict(bucketing="none", a2a_overlap=False, prefetch=0)
@@ -222,13 +227,14 @@ def run(cfg: JobConfig, start_step: int) -> list[float]:
             print(f"{PROG}: the first step compiles the model (a minute or more; minutes on a few CPU cores)", flush=True)
 
     params, loss_fn = list(model.parameters()), loss_function(cfg, device.type)
+    squares = tracked_grad_squares(model)
     losses = []
     interval = cfg.checkpoint.interval
     for step in range(start_step + 1, t.steps + 1):
         begin = time.perf_counter()
         batch = tuple(x.to(device) for x in rank_slice(stream.batch(step - 1), dp_rank, dp_size))
         loss, norm = train_step(runner, optimizer, batch, params=params, dp_size=dp_size, max_norm=t.max_norm,
-                                loss_fn=loss_fn)
+                                loss_fn=loss_fn, squares=squares)
         if cuda:
             torch.cuda.synchronize()
         seconds = time.perf_counter() - begin

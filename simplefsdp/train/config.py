@@ -10,7 +10,7 @@ A config has five sections; every key has a default, so a file names only what i
     [parallel]    dp_replicate, dp_shard (-1: the ranks left over), tp, ep, ep_chunks, mode,
                   reshard_after_forward, activation_checkpoint
     [training]    steps, lr, seed, global_batch, seq_len, dataset, compile, passes, blocks_once,
-                  precompile, param_dtype, reduce_dtype, max_norm, baseline
+                  precompile, param_dtype, reduce_dtype, max_norm, norm_in_backward, baseline
     [checkpoint]  folder, interval, resume
     [metrics]     out_dir, tensorboard, peak_tflops
 
@@ -72,6 +72,9 @@ class Training:
     param_dtype: str = "float32"
     reduce_dtype: str = "float32"
     max_norm: float = 0.0  # gradient clipping; 0: off
+    # with clipping on a SimpleFSDP model: each gradient's squares summed in backward
+    # (simplefsdp.grad_squares), so the norm reads no gradient
+    norm_in_backward: bool = True
     baseline: str = "simplefsdp"  # one of BASELINES
 
 
@@ -417,10 +420,17 @@ def model_fingerprint(cfg: JobConfig) -> str:
     return json.dumps(fields | {"kind": cfg.model["kind"]}, sort_keys=True)
 
 
+def tracks_grad_squares(cfg: JobConfig) -> bool:
+    """Whether the job sums its gradients' squares in backward (``training.norm_in_backward``)."""
+    t = cfg.training
+    return t.norm_in_backward and t.max_norm > 0 and t.baseline == "simplefsdp"
+
+
 def compiled_fingerprint(cfg: JobConfig) -> str:
     """What of the config a compiled model depends on, as canonical JSON: the model, the parallel
     layout and the training settings that reach the graph."""
     t = cfg.training
     graph = {k: getattr(t, k) for k in ("param_dtype", "reduce_dtype", "passes", "blocks_once", "global_batch", "seq_len")}
+    graph["grad_squares"] = tracks_grad_squares(cfg)
     return json.dumps({"model": model_fingerprint(cfg), "parallel": dataclasses.asdict(cfg.parallel), "training": graph},
                       sort_keys=True)

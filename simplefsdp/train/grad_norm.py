@@ -6,6 +6,8 @@ local squared norm is added up per (mesh, placements), one multi-tensor kernel p
 sum is then all-reduced over exactly
 the mesh dims where the gradient is sharded (a replicated dim holds the same values on every
 rank and is counted once). One all-reduce per distinct sharded group, not one per parameter.
+Where the model tracks its gradients' squares (:mod:`simplefsdp.grad_squares`), a group's local
+sum comes from the backward instead, and its gradients are not read for the norm.
 """
 
 from __future__ import annotations
@@ -15,14 +17,21 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
+from simplefsdp.grad_squares import GradSquares, group_key
 
-def total_norm(groups: dict[tuple | None, list[torch.Tensor]]) -> torch.Tensor:
+
+def total_norm(groups: dict[tuple | None, list[torch.Tensor]], squares: dict | None = None) -> torch.Tensor:
     """The 2-norm of all gradients together, as a float32 scalar on their device, equal on all ranks;
-    ``groups``: their local tensors by (mesh, placements), as :func:`_by_mesh` gives them."""
+    ``groups``: their local tensors by (mesh, placements), as :func:`_by_mesh` gives them;
+    ``squares``: the local sum of squares of some of those groups, already computed (in backward,
+    :mod:`simplefsdp.grad_squares`), whose tensors are then not read."""
+    squares = squares or {}
     total = None
     for key, locals_ in groups.items():
-        # one multi-tensor kernel per group, as torch.nn.utils.get_total_norm does
-        s = torch.stack(torch._foreach_norm([t.float() for t in locals_])).pow(2).sum()
+        if key in squares:
+            s = squares[key]
+        else:  # one multi-tensor kernel per group, as torch.nn.utils.get_total_norm does
+            s = torch.stack(torch._foreach_norm([t.float() for t in locals_])).pow(2).sum()
         if key is not None:
             mesh, placements = key
             for dim, placement in enumerate(placements):
@@ -40,8 +49,7 @@ def group_by_mesh(tensors) -> dict[tuple | None, list[torch.Tensor]]:
     """``tensors`` grouped by (mesh, placements), in first-seen order; plain tensors under None."""
     groups: dict[tuple | None, list[torch.Tensor]] = {}
     for t in tensors:
-        key = (t.device_mesh, tuple(t.placements)) if isinstance(t, DTensor) else None
-        groups.setdefault(key, []).append(t)
+        groups.setdefault(group_key(t), []).append(t)
     return groups
 
 
@@ -54,9 +62,13 @@ def _by_mesh(grads: list[torch.Tensor]) -> dict[tuple | None, list[torch.Tensor]
 
 
 @torch.no_grad()
-def grad_norm(params) -> torch.Tensor:
-    """The total gradient norm of ``params`` (every rank gets the same value)."""
-    return total_norm(_by_mesh([p.grad for p in params if p.grad is not None]))
+def grad_norm(params, squares: GradSquares | None = None) -> torch.Tensor:
+    """The total gradient norm of ``params`` (every rank gets the same value). With ``squares``
+    (the model's :func:`simplefsdp.grad_squares.track_grad_squares`), each group whose squares the
+    backward computed is not read again."""
+    params = list(params)
+    known = squares.take(params) if squares is not None else None
+    return total_norm(_by_mesh([p.grad for p in params if p.grad is not None]), known)
 
 
 def clip_divisor(norm: torch.Tensor, max_norm: float) -> torch.Tensor:
@@ -66,10 +78,12 @@ def clip_divisor(norm: torch.Tensor, max_norm: float) -> torch.Tensor:
 
 
 @torch.no_grad()
-def clip_grads_(params, max_norm: float) -> torch.Tensor:
-    """The total gradient norm of ``params``; gradients scaled down to ``max_norm`` when it is > 0."""
+def clip_grads_(params, max_norm: float, squares: GradSquares | None = None) -> torch.Tensor:
+    """The total gradient norm of ``params``; gradients scaled down to ``max_norm`` when it is > 0.
+    ``squares`` as for :func:`grad_norm`."""
+    params = list(params)
     groups = _by_mesh([p.grad for p in params if p.grad is not None])
-    norm = total_norm(groups)
+    norm = total_norm(groups, squares.take(params) if squares is not None else None)
     if max_norm > 0:
         scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)
         for locals_ in groups.values():

@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
+from simplefsdp.grad_squares import GradSquares
 from simplefsdp.train.adamw import AdamW
 from simplefsdp.train.grad_norm import clip_divisor, clip_grads_, grad_norm, group_by_mesh
 
@@ -35,18 +36,20 @@ def make_optimizer(model: nn.Module, lr: float) -> AdamW:
     return AdamW([{"params": g} for g in param_groups(trainable)], lr=lr)
 
 
-def clipped_step(optimizer: torch.optim.Optimizer, params, max_norm: float, mark=lambda phase: None) -> torch.Tensor:
+def clipped_step(optimizer: torch.optim.Optimizer, params, max_norm: float, mark=lambda phase: None,
+                 squares: GradSquares | None = None) -> torch.Tensor:
     """Clip the gradients of ``params`` to ``max_norm`` (0: no clipping) and step ``optimizer``;
     returns the gradient norm before clipping. This project's :class:`AdamW` applies the clipping
     inside its step and leaves the gradients as they were (module docstring); any other optimizer
     gets its gradients scaled first, as ``clip_grad_norm_`` does. ``mark("clip")`` is called once
-    the norm (and any scaling) is done."""
+    the norm (and any scaling) is done. ``squares``: the model's gradient squares computed in
+    backward (:func:`simplefsdp.grad_squares.track_grad_squares`), so the norm reads no gradient."""
     if max_norm <= 0 or not isinstance(optimizer, AdamW):
-        norm = clip_grads_(params, max_norm)
+        norm = clip_grads_(params, max_norm, squares)
         mark("clip")
         optimizer.step()
         return norm
-    norm = grad_norm(params)
+    norm = grad_norm(params, squares)
     mark("clip")
     optimizer.step(grad_divisor=clip_divisor(norm, max_norm))
     return norm

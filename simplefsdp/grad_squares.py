@@ -1,0 +1,108 @@
+"""Squared gradient norms computed in backward, where each gradient is made.
+
+Clipping by the global norm reads every gradient once for the norm and once more in the optimizer
+step. :func:`track_grad_squares` makes each SimpleFSDP parameter's gather pass its local shard
+through an identity (``param_gather._GradSquares``) whose backward also gives, as the gradient of a small "sink" tensor, the
+shard gradient's sum of squares (in float32) and a 1. Every parameter on one (mesh, placements)
+shares a sink, and autograd adds the sink's gradients up like any other, so after backward each
+sink's ``.grad`` is ``[sum of squares of the group's local gradients, gradients counted]``. Under
+``torch.compile`` the sum is one more reduction in the backward graph, which Inductor fuses with
+the kernel that makes the gradient (its cast or division after the reduce-scatter), instead of
+another pass over every gradient before the step.
+
+The identity sits right after the shard is taken (``ParamGather.gather_local``), so its backward
+sees the final local gradient: reduced, divided, in the parameter's dtype. It changes no gradient.
+
+:meth:`GradSquares.take` gives a group's sum only where it counted exactly one gradient for each
+of the group's parameters that has one. Two backwards before a step (gradient accumulation) or a
+parameter gathered twice in one forward (a module called twice under ``torch.compile``) sum the
+squares of partial gradients, which is not the square of their sum: such a group's count does not
+match, and its norm is read from the gradients instead (:func:`simplefsdp.train.grad_norm.grad_norm`).
+Reading the counts costs one device-to-host copy per step, after backward.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+from torch.distributed.tensor import DTensor
+
+from simplefsdp.param_access import STATE_ATTR, WRAPPED_ATTR, is_wrapped
+
+
+def group_key(param: torch.Tensor):
+    """The (mesh, placements) a parameter's gradient is grouped by; None for a plain tensor."""
+    return (param.device_mesh, tuple(param.placements)) if isinstance(param, DTensor) else None
+
+
+class GradSquares:
+    """A model's sinks (:func:`track_grad_squares`): ``sinks`` by group key, ``sink_of`` by
+    parameter key (``WrappedParams.keys``)."""
+
+    def __init__(self, state, sinks: dict, sink_of: dict[int, torch.Tensor]):
+        self.state = state
+        self.sinks = sinks
+        self.sink_of = sink_of
+
+    def take(self, params) -> dict:
+        """Per group key, the local sum of squared gradients of ``params`` computed in backward,
+        for each group where it counted one gradient per parameter with a gradient; the sinks are
+        cleared for the next backward. Groups left out must be read (module docstring)."""
+        with_grad: dict = {}
+        for p in params:
+            if p.grad is not None:
+                with_grad[group_key(p)] = with_grad.get(group_key(p), 0) + 1
+        found = [(key, sink.grad) for key, sink in self.sinks.items() if sink.grad is not None]
+        for sink in self.sinks.values():
+            sink.grad = None
+        if not found:
+            return {}
+        stacked = torch.stack([grad for _, grad in found])
+        counts = stacked[:, 1].tolist()  # one copy to the host
+        return {key: stacked[i, 0].clone() for i, ((key, _), n) in enumerate(zip(found, counts)) if n == with_grad.get(key)}
+
+    def stop(self) -> None:
+        """Stop computing squares in backward (a compiled model traces its gathers again, without)."""
+        if self.state.grad_squares is self:
+            self.state.grad_squares = None
+
+
+def _state(model: nn.Module):
+    modules = [m for m in model.modules() if is_wrapped(m)]
+    if not modules:
+        raise ValueError("track_grad_squares needs a model wrapped by simple_fsdp (call simple_fsdp first)")
+    return modules, getattr(modules[0], STATE_ATTR)
+
+
+def tracked_grad_squares(model: nn.Module) -> GradSquares | None:
+    """``model``'s :class:`GradSquares` while :func:`track_grad_squares` is on, else None (also for
+    a model not wrapped by ``simple_fsdp``)."""
+    modules = [m for m in model.modules() if is_wrapped(m)]
+    return getattr(modules[0], STATE_ATTR).grad_squares if modules else None
+
+
+def track_grad_squares(model: nn.Module) -> GradSquares:
+    """Compute each gradient's sum of squares in backward from now on (module docstring).
+
+    ``model`` must be wrapped by ``simple_fsdp`` and not tracked already (ValueError before
+    anything changes). Call it before the model's first compiled forward: a compiled model traces
+    again when tracking starts or stops.
+    """
+    modules, state = _state(model)
+    if state.grad_squares is not None:
+        raise ValueError("track_grad_squares: the model's gradient squares are tracked already")
+    sinks: dict = {}
+    sink_of: dict[int, torch.Tensor] = {}
+    for module in modules:
+        wrapped = getattr(module, WRAPPED_ATTR)
+        for name in wrapped.gathers:
+            param = module._parameters[name]
+            if not param.requires_grad:
+                continue
+            key = group_key(param)
+            if key not in sinks:
+                device = param.to_local().device if isinstance(param, DTensor) else param.device
+                sinks[key] = torch.zeros(2, device=device, requires_grad=True)
+            sink_of[wrapped.keys[name]] = sinks[key]
+    state.grad_squares = GradSquares(state, sinks, sink_of)
+    return state.grad_squares

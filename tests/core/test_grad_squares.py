@@ -1,0 +1,136 @@
+"""Gradient squares computed in backward (:mod:`simplefsdp.grad_squares`): the same sums the
+gradients give, no gradient changed, and a group whose count is off falls back to reading its
+gradients."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+import torch.nn as nn
+
+from simplefsdp import simple_fsdp
+from simplefsdp.grad_squares import track_grad_squares, tracked_grad_squares
+from simplefsdp.models.llama import cross_entropy_loss
+from simplefsdp.models.moe import MoEConfig
+from simplefsdp.train.data import rank_slice
+from simplefsdp.train.grad_norm import _by_mesh, grad_norm
+from tests import training as T
+
+MOE = MoEConfig(**dataclasses.asdict(T.CFG), num_experts=8, top_k=2, expert_dim=32)
+
+
+def _read_squares(params) -> dict:
+    """Per group key (as str), this rank's sum of squared gradients, read from the gradients."""
+    groups = _by_mesh([p.grad for p in params if p.grad is not None])
+    return {str(k): torch.stack([t.float().pow(2).sum() for t in v]).sum().item() for k, v in groups.items()}
+
+
+def _tracked_against_untracked(compiled: bool):
+    """FSDP2 x EP2 (dense and expert meshes), resharding after forward: one backward with the
+    squares tracked and one without, from the same weights and batch."""
+    out = {}
+    for track in (False, True):
+        model, runner, dp_rank, dp_size = T.wrapped_run(MOE, (2,), ("dp_shard",), 2, compiled=compiled)
+        squares = track_grad_squares(model) if track else None
+        tokens, labels = rank_slice(T.batches(MOE)[0], dp_rank, dp_size)
+        cross_entropy_loss(runner(tokens), labels).backward()
+        params = list(model.parameters())
+        out[track] = [p.grad.to_local().clone() for p in params]
+        if track:
+            read = _read_squares(params)
+            taken = {str(k): v.item() for k, v in squares.take(params).items()}
+            norms = grad_norm(params), grad_norm(params, squares)  # the sinks are empty now: read again
+    same = all(torch.equal(a, b) for a, b in zip(out[False], out[True], strict=True))
+    return same, read, taken, [n.item() for n in norms]
+
+
+@pytest.mark.ranks
+@pytest.mark.parametrize("compiled", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["eager", "compiled"])
+def test_squares_from_backward_equal_the_gradients_and_change_none(compiled):
+    """On 2 gloo ranks, eager and compiled (the gather in a selective-checkpoint region, the squares
+    in Inductor's backward graph; about 50 s): every group's squares come from the backward and
+    equal the gradients' own within 1e-6, and the gradients are bitwise those of an untracked run."""
+    same, read, taken, norms = T.launch_once(_tracked_against_untracked, 2, compiled)
+    assert same
+    assert taken.keys() == read.keys() and len(taken) == 2  # dense on dp_shard, experts on [edp, ep]
+    for key in read:
+        assert taken[key] == pytest.approx(read[key], rel=1e-6), key
+    assert norms[0] == norms[1]  # nothing taken twice: the second norm read the gradients
+
+
+class _Twice(nn.Module):
+    """``inner`` is called twice a forward: its weight is gathered for each call."""
+
+    def __init__(self):
+        super().__init__()
+        self.inner = nn.Linear(8, 8, bias=False)
+        self.outer = nn.Linear(8, 8, bias=False)
+
+    def forward(self, x):
+        return self.outer(self.inner(self.inner(x)))
+
+
+@pytest.fixture
+def mesh(fake_world):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh("cpu", (8,), mesh_dim_names=("dp_shard",))
+
+
+def _wrapped(module: nn.Module, mesh) -> nn.Module:
+    torch.manual_seed(0)
+    return simple_fsdp(module, mesh)
+
+
+def test_two_backwards_before_a_step_read_the_gradients(mesh):
+    """Accumulated gradients: the sink counted two gradients per parameter, so nothing is taken
+    and the norm is read; after that, one backward is taken again."""
+    model = _wrapped(nn.Sequential(nn.Linear(8, 8, bias=False), nn.Linear(8, 8, bias=False)), mesh)
+    squares = track_grad_squares(model)
+    params, x = list(model.parameters()), torch.randn(4, 8)
+    for _ in range(2):
+        model(x).sum().backward()
+    assert squares.take(params) == {}
+    for p in params:
+        p.grad = None
+    model(x).sum().backward()
+    (value,) = squares.take(params).values()
+    assert value.item() == pytest.approx(next(iter(_read_squares(params).values())), rel=1e-6)
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_a_module_called_twice_reads_its_group(mesh, compiled):
+    """``inner``'s weight is gathered once per call, so its gradient arrives in two parts whose
+    squares do not add up to its own: the count is off, and the norm is the one read from the
+    gradients, exactly."""
+    model = _wrapped(_Twice(), mesh)
+    squares = track_grad_squares(model)
+    torch._dynamo.reset()
+    runner = torch.compile(model, fullgraph=True) if compiled else model
+    params, x = list(model.parameters()), torch.randn(4, 8)
+    runner(x).sum().backward()
+    assert grad_norm(params, squares) == grad_norm(params)
+    torch._dynamo.reset()
+
+
+def test_stop_ends_tracking(mesh):
+    model = _wrapped(_Twice(), mesh)
+    squares = track_grad_squares(model)
+    assert tracked_grad_squares(model) is squares
+    squares.stop()
+    assert tracked_grad_squares(model) is None
+    model(torch.randn(4, 8)).sum().backward()
+    assert all(sink.grad is None for sink in squares.sinks.values())
+    assert track_grad_squares(model) is not squares  # it may start again
+
+
+def test_refusals_change_nothing(mesh):
+    with pytest.raises(ValueError, match="wrapped by simple_fsdp"):
+        track_grad_squares(nn.Linear(4, 4))
+    model = _wrapped(_Twice(), mesh)
+    squares = track_grad_squares(model)
+    with pytest.raises(ValueError, match="tracked already"):
+        track_grad_squares(model)
+    assert tracked_grad_squares(model) is squares
