@@ -72,7 +72,7 @@ class Training:
     param_dtype: str = "float32"
     reduce_dtype: str = "float32"
     max_norm: float = 0.0  # gradient clipping; 0: off
-    # with clipping on a SimpleFSDP model: each gradient's squares summed in backward
+    # with clipping on a compiled SimpleFSDP model: each gradient's squares summed in backward
     # (simplefsdp.grad_squares), so the norm reads no gradient
     norm_in_backward: bool = True
     baseline: str = "simplefsdp"  # one of BASELINES
@@ -421,9 +421,11 @@ def model_fingerprint(cfg: JobConfig) -> str:
 
 
 def tracks_grad_squares(cfg: JobConfig) -> bool:
-    """Whether the job sums its gradients' squares in backward (``training.norm_in_backward``)."""
+    """Whether the job sums its gradients' squares in backward (``training.norm_in_backward``):
+    where it clips a compiled SimpleFSDP model. Eagerly each square would be a kernel of its own,
+    no cheaper than the norm's multi-tensor read."""
     t = cfg.training
-    return t.norm_in_backward and t.max_norm > 0 and t.baseline == "simplefsdp"
+    return t.norm_in_backward and t.max_norm > 0 and t.baseline == "simplefsdp" and t.compile
 
 
 def compiled_fingerprint(cfg: JobConfig) -> str:

@@ -409,14 +409,15 @@ def test_the_loss_is_compiled_with_the_model_on_a_gpu():
     ([("training.max_norm", "1.0"), ("training.norm_in_backward", "false")], False),
     ([], False),  # no clipping: no norm
     ([("training.max_norm", "1.0"), ("training.baseline", "fsdp2")], False),  # SimpleFSDP's gathers only
+    ([("training.max_norm", "1.0"), ("training.compile", "false")], False),  # eagerly no cheaper
 ])
 def test_clipping_jobs_sum_gradient_squares_in_backward(fake_world, overrides, tracked):
-    """A job that clips a SimpleFSDP model tracks its gradient squares (simplefsdp.grad_squares),
+    """A job that clips a compiled SimpleFSDP model tracks its gradient squares (simplefsdp.grad_squares),
     and the compiled model's fingerprint (its precompile key) says whether it does."""
     from simplefsdp.grad_squares import tracked_grad_squares
     from simplefsdp.train.config import compiled_fingerprint, load
 
-    cfg = load(MOE, [("training.compile", "false"), ("parallel.dp_shard", "8"), *overrides])
-    model, _, _ = train.build(cfg, 8, "cpu")
+    cfg = load(MOE, [("parallel.dp_shard", "8"), *overrides])
+    model, _, _ = train.build(cfg, 8, "cpu")  # compiled models compile at their first call
     assert (tracked_grad_squares(model) is not None) == tracked
     assert json.loads(compiled_fingerprint(cfg))["training"]["grad_squares"] == tracked
