@@ -67,17 +67,14 @@ class GradSquares:
             self.state.grad_squares = None
 
 
-def _state(model: nn.Module):
-    modules = [m for m in model.modules() if is_wrapped(m)]
-    if not modules:
-        raise ValueError("track_grad_squares needs a model wrapped by simple_fsdp (call simple_fsdp first)")
-    return modules, getattr(modules[0], STATE_ATTR)
+def _wrapped_modules(model: nn.Module) -> list[nn.Module]:
+    return [m for m in model.modules() if is_wrapped(m)]
 
 
 def tracked_grad_squares(model: nn.Module) -> GradSquares | None:
     """``model``'s :class:`GradSquares` while :func:`track_grad_squares` is on, else None (also for
     a model not wrapped by ``simple_fsdp``)."""
-    modules = [m for m in model.modules() if is_wrapped(m)]
+    modules = _wrapped_modules(model)
     return getattr(modules[0], STATE_ATTR).grad_squares if modules else None
 
 
@@ -88,7 +85,10 @@ def track_grad_squares(model: nn.Module) -> GradSquares:
     anything changes). Call it before the model's first compiled forward: a compiled model traces
     again when tracking starts or stops.
     """
-    modules, state = _state(model)
+    modules = _wrapped_modules(model)
+    if not modules:
+        raise ValueError("track_grad_squares needs a model wrapped by simple_fsdp (call simple_fsdp first)")
+    state = getattr(modules[0], STATE_ATTR)
     if state.grad_squares is not None:
         raise ValueError("track_grad_squares: the model's gradient squares are tracked already")
     sinks: dict = {}
