@@ -8,7 +8,8 @@ The first ``n_dense_layers`` blocks use a dense SwiGLU MLP; the rest use :class:
 * :class:`GroupedExperts`: the routed experts, stored stacked (``w1, w3: [E, dim, hidden]``,
   ``w2: [E, hidden, dim]``) and computed with one grouped matmul per projection over tokens
   sorted by expert (each expert's rows padded to an aligned count where ``torch._grouped_mm``
-  runs, :mod:`simplefsdp.moe.token_permute`). With expert parallelism they exchange tokens with
+  runs, :mod:`simplefsdp.moe.token_permute`: at ep 1 as the rows are gathered, under ep after
+  they arrive). With expert parallelism they exchange tokens with
   all-to-all (:mod:`simplefsdp.moe.token_dispatch`), in token chunks: the layer splits its
   tokens into the dispatcher's ``chunks`` and sorts each chunk by expert, so one chunk's experts
   can run while another chunk's tokens travel. Each token's result does not depend on the
@@ -26,9 +27,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from simplefsdp.moe.token_dispatch import TokenDispatcher, by_expert
-from simplefsdp.moe.grouped_mm import grouped_mm, native_available
+from simplefsdp.moe.grouped_mm import grouped_mm, native_available, native_rows
 from simplefsdp.models.llama import FeedForward, Transformer, TransformerConfig
-from simplefsdp.moe.token_permute import aligned_groups
+from simplefsdp.moe.token_permute import ALIGNMENT, aligned_groups
 
 
 @dataclass(frozen=True)
@@ -103,17 +104,23 @@ class GroupedExperts(nn.Module):
     def chunks(self) -> int:
         return 1 if self.expert_parallel is None else self.expert_parallel.chunks
 
+    def row_alignment(self, x: torch.Tensor) -> int:
+        """What the rows that ``forward`` gets must have each expert's count padded to: at ep 1,
+        where ``torch._grouped_mm`` runs, its kernels' alignment (``by_expert`` pads the rows as
+        it gathers them); under ep, 1 (rows travel unpadded, and each rank pads what it receives)."""
+        return ALIGNMENT if self.expert_parallel is None and native_rows(x) else 1
+
     def forward(self, xs: list[torch.Tensor], counts: list[torch.Tensor]) -> list[torch.Tensor]:
         w1, w2, w3 = self.w1, self.w2, self.w3  # each read gathers: once for every chunk
+        swiglu = lambda rows, group_counts: grouped_swiglu(rows, w1, w2, w3, group_counts)
+        if self.expert_parallel is None:  # padded already where it pays (row_alignment)
+            return [swiglu(x, c) for x, c in zip(xs, counts)]
 
         def local_experts(rows: torch.Tensor, group_counts: torch.Tensor) -> torch.Tensor:
-            swiglu = lambda r, c: grouped_swiglu(r, w1, w2, w3, c)
             if native_available(rows, w1):  # grouped_mm kernels want groups on aligned rows
                 return aligned_groups(swiglu, rows, group_counts)
             return swiglu(rows, group_counts)
 
-        if self.expert_parallel is None:
-            return [local_experts(x, c) for x, c in zip(xs, counts)]
         return self.expert_parallel(local_experts, xs, counts)
 
 
@@ -153,7 +160,8 @@ class MoE(nn.Module):
         shape = x.shape
         x = x.reshape(-1, shape[-1])
         weights, experts = self.router(x)
-        routed = by_expert(self.experts, x, experts, self.experts.num_experts, self.experts.chunks)
+        routed = by_expert(self.experts, x, experts, self.experts.num_experts, self.experts.chunks,
+                           self.experts.row_alignment(x))
         out = (routed.view(-1, self.top_k, shape[-1]) * weights.unsqueeze(-1).to(x.dtype)).sum(1)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)

@@ -12,14 +12,14 @@ from __future__ import annotations
 import torch
 
 
+def native_rows(x: torch.Tensor) -> bool:
+    """Whether :func:`grouped_mm` runs ``torch._grouped_mm`` for rows ``x`` and bf16 weights."""
+    return hasattr(torch, "_grouped_mm") and x.is_cuda and x.dtype == torch.bfloat16
+
+
 def native_available(x: torch.Tensor, w: torch.Tensor) -> bool:
     """Whether :func:`grouped_mm` runs ``torch._grouped_mm`` for these operands."""
-    return (
-        hasattr(torch, "_grouped_mm")
-        and x.is_cuda
-        and x.dtype == torch.bfloat16
-        and w.dtype == torch.bfloat16
-    )
+    return native_rows(x) and w.dtype == torch.bfloat16
 
 
 def group_ids(offs: torch.Tensor, rows: int) -> torch.Tensor:

@@ -41,6 +41,7 @@ import torch.distributed._functional_collectives as funcol
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
+from simplefsdp.moe.token_permute import aligned_layout
 from simplefsdp.moe.token_slots import inverse_permutation, permuted_rows, repeated_rows
 
 
@@ -72,21 +73,29 @@ def by_expert(
     experts: torch.Tensor,
     num_experts: int,
     chunks: int,
+    alignment: int = 1,
 ) -> torch.Tensor:
     """Every token slot's expert output, in slot order: ``[tokens * k, dim]``.
 
     ``x``: ``[tokens, dim]``; ``experts``: ``[tokens, k]``, the experts each token chose. The
     tokens are split into ``chunks`` (:func:`token_chunks`); each chunk's slots are sorted by
     expert (a stable sort: token order within an expert), and ``run(rows, counts)`` gets every
-    chunk's sorted rows and tokens per expert at once and returns each chunk's outputs.
+    chunk's sorted rows and tokens per expert at once and returns each chunk's outputs. With
+    ``alignment > 1`` each expert's rows are padded with zero rows to a multiple of it
+    (:func:`simplefsdp.moe.token_permute.aligned_layout`) as they are gathered, ``counts`` are
+    the padded counts, and the padding rows of the outputs are left out as they go back.
     """
     top_k = experts.shape[-1]
     rows, counts, orders = [], [], []
     for start, end in token_chunks(x.shape[0], chunks):
         order = torch.argsort(experts[start:end].flatten(), stable=True)
         inverse = inverse_permutation(order)
+        count = tokens_per_expert(experts[start:end], num_experts)
+        if alignment > 1:  # row -> slot becomes padded row -> slot (or -1), slot -> row slot -> padded row
+            count, dest, source = aligned_layout(count, order.shape[0], alignment)
+            order, inverse = torch.cat([order, order.new_full((1,), -1)])[source], dest[inverse]  # [-1]: -1
         rows.append(repeated_rows(x[start:end], order, inverse, top_k))
-        counts.append(tokens_per_expert(experts[start:end], num_experts))
+        counts.append(count)
         orders.append((order, inverse))
     # sized by the order (static), not by the experts' rows (data-dependent after an all-to-all):
     # what follows, a compiled region's input included, keeps static shapes

@@ -21,6 +21,8 @@ import os
 
 import torch
 
+from simplefsdp.moe.token_slots import rows_or_zeros
+
 try:
     import triton
     import triton.language as tl
@@ -46,15 +48,10 @@ if triton is not None:
         tl.store(out_ptr + row * n_cols + cols, values, mask=in_row)
 
 
-def _permute_rows_torch(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    rows = x[index.clamp(min=0)]
-    return torch.where((index >= 0).view(-1, *([1] * (x.dim() - 1))), rows, torch.zeros_like(rows))
-
-
 @torch.library.triton_op("simplefsdp::permute_rows", mutates_args=())
 def _permute_rows(x: torch.Tensor, index: torch.Tensor, inverse: torch.Tensor) -> torch.Tensor:
     if not _triton_usable(x):
-        return _permute_rows_torch(x, index)
+        return rows_or_zeros(x, index, padded=True)
     x = x.contiguous()
     out = x.new_empty((index.shape[0], *x.shape[1:]))
     cols = math.prod(x.shape[1:])  # not x[0].numel(): the row count may be unbacked (ep dispatch)
@@ -89,17 +86,26 @@ def permute_rows(x: torch.Tensor, index: torch.Tensor, inverse: torch.Tensor) ->
     return _permute_rows(x, index, inverse)
 
 
-def aligned_groups(fn, x: torch.Tensor, counts: torch.Tensor, alignment: int = ALIGNMENT) -> torch.Tensor:
-    """``fn(x, counts)`` computed on a copy of ``x`` whose groups are padded to ``alignment`` rows."""
-    rows, groups = x.shape[0], counts.shape[0]
+def aligned_layout(counts: torch.Tensor, rows: int, alignment: int = ALIGNMENT):
+    """Where ``rows`` rows sorted by group (``counts[g]`` in group g) go when each group is padded
+    to a multiple of ``alignment`` rows: ``(padded_counts, dest, source)``, ``dest[r]`` the padded
+    row of row ``r`` and ``source[p]`` the row in padded row ``p`` (-1: padding). The padded row
+    count is static: ``rows + groups * (alignment - 1)``."""
+    groups = counts.shape[0]
     padded_counts = (counts + alignment - 1) // alignment * alignment
     starts = torch.cumsum(counts, 0) - counts
     padded_starts = torch.cumsum(padded_counts, 0) - padded_counts
     group_of_row = torch.repeat_interleave(
-        torch.arange(groups, device=x.device), counts, output_size=rows
+        torch.arange(groups, device=counts.device), counts, output_size=rows
     )
-    dest = torch.arange(rows, device=x.device) + (padded_starts - starts)[group_of_row]
-    source = torch.full((rows + groups * (alignment - 1),), -1, dtype=torch.long, device=x.device)
-    source = source.scatter(0, dest, torch.arange(rows, device=x.device))
+    dest = torch.arange(rows, device=counts.device) + (padded_starts - starts)[group_of_row]
+    source = torch.full((rows + groups * (alignment - 1),), -1, dtype=torch.long, device=counts.device)
+    source = source.scatter(0, dest, torch.arange(rows, device=counts.device))
+    return padded_counts, dest, source
+
+
+def aligned_groups(fn, x: torch.Tensor, counts: torch.Tensor, alignment: int = ALIGNMENT) -> torch.Tensor:
+    """``fn(x, counts)`` computed on a copy of ``x`` whose groups are padded to ``alignment`` rows."""
+    padded_counts, dest, source = aligned_layout(counts, x.shape[0], alignment)
     out = fn(permute_rows(x, source, dest), padded_counts)
     return permute_rows(out, dest, source)

@@ -19,6 +19,12 @@ here are gathers whose gradient is a gather too:
   after another. That is the order in which the accumulating scatter adds them on one thread
   (CPU autograd), so eager results are the same bits, and under torch.compile the adds fuse into
   one kernel that writes each token's gradient once, the same in every call.
+
+Both take padding: rows of the grouped layout that no slot fills (``-1`` in ``order``, or in
+``inverse`` for :func:`permuted_rows`) read as zeros, and their gradient is never read. So the
+rows reach the experts already padded to the grouped matmul's alignment
+(:func:`simplefsdp.moe.token_permute.aligned_layout`) and come back from it in one gather each,
+without a padded copy in between.
 """
 
 from __future__ import annotations
@@ -31,6 +37,17 @@ def inverse_permutation(order: torch.Tensor) -> torch.Tensor:
     return torch.empty_like(order).scatter_(0, order, torch.arange(order.shape[0], device=order.device))
 
 
+def rows_or_zeros(x: torch.Tensor, index: torch.Tensor, padded: bool) -> torch.Tensor:
+    """``x[index]``, with zeros where ``index`` is -1 if ``padded`` (a static fact: the
+    caller's shapes say it; ``padded=False`` is plain indexing)."""
+    if not padded:
+        return x[index]
+    if x.shape[0] == 0:  # an empty chunk: padding only
+        return x.new_zeros((index.shape[0], *x.shape[1:]))
+    rows = x[index.clamp(min=0)]
+    return torch.where((index >= 0).view(-1, *[1] * (x.dim() - 1)), rows, torch.zeros_like(rows))
+
+
 class _PermutedRows(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, index, inverse):
@@ -40,11 +57,12 @@ class _PermutedRows(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         (inverse,) = ctx.saved_tensors
-        return grad[inverse], None, None
+        return rows_or_zeros(grad, inverse, padded=inverse.shape[0] != grad.shape[0]), None, None
 
 
 def permuted_rows(x: torch.Tensor, index: torch.Tensor, inverse: torch.Tensor) -> torch.Tensor:
-    """``x[index]``, ``index`` a permutation of ``x``'s rows and ``inverse`` its inverse."""
+    """``x[index]``, ``index`` a permutation of ``x``'s rows and ``inverse`` its inverse; or ``x``
+    padded: ``index`` then names fewer rows, and ``inverse`` is -1 at the others."""
     return _PermutedRows.apply(x, index, inverse)
 
 
@@ -53,7 +71,7 @@ class _RepeatedRows(torch.autograd.Function):
     def forward(ctx, x, order, inverse, top_k):
         ctx.save_for_backward(inverse)
         ctx.top_k = top_k
-        return x[order // top_k]
+        return rows_or_zeros(x, order // top_k, padded=order.shape[0] != inverse.shape[0])  # -1 // k is -1
 
     @staticmethod
     def backward(ctx, grad):
@@ -67,5 +85,6 @@ class _RepeatedRows(torch.autograd.Function):
 
 def repeated_rows(x: torch.Tensor, order: torch.Tensor, inverse: torch.Tensor, top_k: int) -> torch.Tensor:
     """``x[order // top_k]``: ``x`` is ``[tokens, ...]``, ``order`` a permutation of the
-    ``tokens * top_k`` slots and ``inverse`` its inverse."""
+    ``tokens * top_k`` slots and ``inverse`` its inverse; or ``order`` padded with -1 (zero rows)
+    and ``inverse`` each slot's row in it."""
     return _RepeatedRows.apply(x, order, inverse, top_k)

@@ -80,3 +80,61 @@ def test_compiled_backward_gathers_without_atomic_adds():
     torch.testing.assert_close(out, eager_out)  # fp32's tolerances: the weighted sums fuse
     for grad, eager in zip(grads, eager_grads):
         torch.testing.assert_close(grad, eager)
+
+
+def _grouped_experts_out_and_grads(x, experts, w, w1, pad_as_gathered: bool):
+    """A MoE layer's routed path at ep 1: ``by_expert`` into a grouped SwiGLU whose expert groups
+    are padded to 16 rows, either as ``by_expert`` gathers the rows or by ``aligned_groups``
+    after it (two more row permutations each way, the layout before)."""
+    from simplefsdp.models.moe import grouped_swiglu
+    from simplefsdp.moe.token_dispatch import by_expert, token_chunks
+    from simplefsdp.moe.token_permute import aligned_groups
+
+    x, w, w1 = (t.clone().requires_grad_() for t in (x, w, w1))
+    swiglu = lambda rows, counts: grouped_swiglu(rows, w1, w1.transpose(1, 2), w1, counts)
+    seen = []
+    if pad_as_gathered:
+
+        def run(rows, counts):
+            seen.extend((r.shape[0], c) for r, c in zip(rows, counts))
+            return [swiglu(r, c) for r, c in zip(rows, counts)]
+
+    else:
+        run = lambda rows, counts: [aligned_groups(swiglu, r, c, alignment=16) for r, c in zip(rows, counts)]
+    k = experts.shape[1]
+    slots = by_expert(run, x, experts, w1.shape[0], chunks=2, alignment=16 if pad_as_gathered else 1)
+    out = (slots.view(-1, k, x.shape[1]) * w.unsqueeze(-1)).sum(1)
+    out.backward(torch.linspace(-1, 1, out.numel(), dtype=out.dtype, device=out.device).view_as(out))
+    if pad_as_gathered:  # the rows came padded: each group a multiple of 16, 15 spare rows a group
+        chunk_rows = [(end - start) * k + 15 * w1.shape[0] for start, end in token_chunks(x.shape[0], 2)]
+        assert [rows for rows, _ in seen] == chunk_rows and all((c % 16 == 0).all() for _, c in seen)
+    return out, x.grad, w.grad, w1.grad
+
+
+@pytest.mark.parametrize("tokens, top_k", [(37, 2), (5, 5), (1, 1)])
+def test_rows_padded_as_they_are_gathered_give_the_same_bits(tokens, top_k):
+    """Rows padded to the grouped matmul's alignment as they are gathered (zero rows the experts'
+    groups end on, left out on the way back) give the output and every gradient bit for bit as
+    padding a sorted copy and taking the padding off again (``aligned_groups``); two token chunks."""
+    g = torch.Generator().manual_seed(3)
+    x, w = torch.randn(tokens, 8, generator=g), torch.rand(tokens, top_k, generator=g)
+    w1 = torch.randn(6, 8, 8, generator=g)
+    experts = _route(tokens, top_k, experts=6)
+    padded = _grouped_experts_out_and_grads(x, experts, w, w1, pad_as_gathered=True)
+    before = _grouped_experts_out_and_grads(x, experts, w, w1, pad_as_gathered=False)
+    for ours, theirs in zip(padded, before, strict=True):
+        assert torch.equal(ours, theirs)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_on_gpu_rows_padded_as_they_are_gathered_give_the_same_bits():
+    """The same in bf16 on CUDA, where ``torch._grouped_mm`` and the Triton row permutation run."""
+    g = torch.Generator(device="cuda").manual_seed(4)
+    x = torch.randn(301, 64, generator=g, device="cuda").bfloat16()
+    w = torch.rand(301, 2, generator=g, device="cuda").bfloat16()
+    w1 = torch.randn(6, 64, 64, generator=g, device="cuda").bfloat16()
+    experts = torch.rand(301, 6, generator=g, device="cuda").topk(2, -1).indices
+    padded = _grouped_experts_out_and_grads(x, experts, w, w1, pad_as_gathered=True)
+    before = _grouped_experts_out_and_grads(x, experts, w, w1, pad_as_gathered=False)
+    for ours, theirs in zip(padded, before, strict=True):
+        assert torch.equal(ours, theirs)
