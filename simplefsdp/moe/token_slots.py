@@ -30,6 +30,7 @@ without a padded copy in between.
 from __future__ import annotations
 
 import torch
+from torch.fx.experimental.symbolic_shapes import guard_or_false
 
 
 def inverse_permutation(order: torch.Tensor) -> torch.Tensor:
@@ -42,7 +43,7 @@ def rows_or_zeros(x: torch.Tensor, index: torch.Tensor, padded: bool) -> torch.T
     caller's shapes say it; ``padded=False`` is plain indexing)."""
     if not padded:
         return x[index]
-    if x.shape[0] == 0:  # an empty chunk: padding only
+    if guard_or_false(x.shape[0] == 0):  # an empty chunk: padding only (unknown for rows received by all-to-all)
         return x.new_zeros((index.shape[0], *x.shape[1:]))
     rows = x[index.clamp(min=0)]
     return torch.where((index >= 0).view(-1, *[1] * (x.dim() - 1)), rows, torch.zeros_like(rows))
