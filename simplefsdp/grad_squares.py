@@ -2,13 +2,15 @@
 
 Clipping by the global norm reads every gradient once for the norm and once more in the optimizer
 step. :func:`track_grad_squares` makes each SimpleFSDP parameter's gather pass its local shard
-through an identity (``param_gather._GradSquares``) whose backward also gives, as the gradient of a small "sink" tensor, the
-shard gradient's sum of squares (in float32) and a 1. Every parameter on one (mesh, placements)
-shares a sink, and autograd adds the sink's gradients up like any other, so after backward each
-sink's ``.grad`` is ``[sum of squares of the group's local gradients, gradients counted]``. Under
-``torch.compile`` the sum is one more reduction in the backward graph, which Inductor fuses with
-the kernel that makes the gradient (its cast or division after the reduce-scatter), instead of
-another pass over every gradient before the step.
+through an identity (``param_gather._GradSquares``) whose backward also gives a small "sink"
+tensor, as its gradient, the shard gradient's sum of squares (in float32) and a 1. Every parameter
+on one (mesh, placements) shares a sink, and autograd adds the sink's gradients up like any other,
+so after backward each sink's ``.grad`` is ``[sum of squares of the group's local gradients,
+gradients counted]``. Under ``torch.compile`` the sum is one more reduction in the backward graph:
+Inductor fuses it into the kernel that makes the gradient where that is a pointwise kernel (at one
+rank, the cast of the bf16 weight gradient to fp32), so no gradient is read again; where the
+gradient is a reduce-scatter's output itself it is a kernel of its own, the read moved from
+before the optimizer step into the backward.
 
 The identity sits right after the shard is taken (``ParamGather.gather_local``), so its backward
 sees the final local gradient: reduced, divided, in the parameter's dtype. It changes no gradient.

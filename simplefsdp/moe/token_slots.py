@@ -58,7 +58,8 @@ class _PermutedRows(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         (inverse,) = ctx.saved_tensors
-        return rows_or_zeros(grad, inverse, padded=inverse.shape[0] != grad.shape[0]), None, None
+        # padding has static sizes; rows received by all-to-all (unbacked sizes) never have any
+        return rows_or_zeros(grad, inverse, padded=guard_or_false(inverse.shape[0] != grad.shape[0])), None, None
 
 
 def permuted_rows(x: torch.Tensor, index: torch.Tensor, inverse: torch.Tensor) -> torch.Tensor:
