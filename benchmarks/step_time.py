@@ -64,6 +64,7 @@ MODES = {
 REFERENCE = "FSDP2 eager"
 PROFILED = ("SimpleFSDP compiled", "FSDP2 eager", "FSDP2 compiled per block")
 TOP_KERNELS = 12  # the kernels with the most GPU time, kept per profiled run
+TOP_PER_CATEGORY = 6  # and each category's kernels with the most GPU time
 # kernel-name fragments (lower case) by category, first match wins; the rest is elementwise and norm
 # work (Inductor's fused pointwise and reduction kernels, torch's elementwise kernels)
 KERNEL_CATEGORIES = (
@@ -165,8 +166,11 @@ def gpu_time_split(prof) -> dict[str, float]:
         categories[kernel_category(event.name)] += event.device_time / 1e6
         spans["comm" if kind == "comm" else "other"].append((event.time_range.start, event.time_range.end))
     split["exposed_comm"] = exposed_time(spans["comm"], spans["other"]) / 1e6
-    split["kernels"] = dict(sorted(kernels.items(), key=lambda kv: -kv[1])[:TOP_KERNELS])
+    ranked = sorted(kernels.items(), key=lambda kv: -kv[1])
+    split["kernels"] = dict(ranked[:TOP_KERNELS])
     split["categories"] = categories
+    split["category_kernels"] = {c: dict([kv for kv in ranked if kernel_category(kv[0]) == c][:TOP_PER_CATEGORY])
+                                 for c in categories}
     return split
 
 
@@ -184,9 +188,12 @@ def profile_steps(step, steps: int) -> dict:
     split = gpu_time_split(prof)
     kernels = {name: seconds / steps for name, seconds in split.pop("kernels").items()}
     categories = {name: seconds / steps for name, seconds in split.pop("categories").items()}
+    by_category = {c: {name: seconds / steps for name, seconds in top.items()}
+                   for c, top in split.pop("category_kernels").items()}
     split = {k: v / steps for k, v in split.items()}
     return dict(step_s=wall, **{f"{k}_s": v for k, v in split.items()}, comm_fraction=split["comm"] / wall,
-                exposed_fraction=split["exposed_comm"] / wall, top_kernels_s=kernels, categories_s=categories)
+                exposed_fraction=split["exposed_comm"] / wall, top_kernels_s=kernels, categories_s=categories,
+                top_kernels_by_category_s=by_category)
 
 
 def run_one(model_name: str, mode: str, ac: str, *, warmup: int, steps: int, device: torch.device,
