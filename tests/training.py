@@ -21,7 +21,14 @@ GLOBAL_BATCH, SEQ_LEN, STEPS, LR, SEED = 8, 16, 10, 1e-2, 0
 
 
 def build_model(cfg: TransformerConfig = CFG) -> Transformer:
+    """``cfg``'s model from the torch seed :data:`SEED`: this project's Transformer or MoE
+    transformer, or for a transformers config (it has a ``model_type``) its causal LM with HF's
+    ``batched_mm`` experts (its ``grouped_mm`` does not compile in fp32 on the CPU)."""
     torch.manual_seed(SEED)
+    if hasattr(cfg, "model_type"):
+        from simplefsdp.models.hf import hf_causal_lm
+
+        return hf_causal_lm(cfg, experts_implementation="batched_mm")
     if hasattr(cfg, "num_experts"):
         from simplefsdp.models.moe import moe_transformer
 

@@ -22,6 +22,7 @@ import tests.training as T
 from simplefsdp import compile_blocks_once, simple_fsdp
 from simplefsdp.activation_checkpoint import apply_activation_checkpointing
 from simplefsdp.models.llama import cross_entropy_loss
+from simplefsdp.models.hf import hf_config
 from simplefsdp.models.moe import MOE_CONFIGS
 from simplefsdp.param_access import REGION_SLOTS_ATTR
 from simplefsdp.train.data import rank_slice
@@ -32,14 +33,17 @@ from simplefsdp.passes.fx_utils import op_name
 from simplefsdp.passes.ops import COLLECTIVES
 from tests.conftest import FAKE_RANKS, fake_world_at
 from tests.graphs import spread_routing
+from tests.moe.hf_families import FAMILIES
 
 # one dense block, then three MoE blocks (two distinct block graphs); vocab 97 and ffn 90 give
 # uneven shards
 MOE = dataclasses.replace(MOE_CONFIGS["debug"], vocab_size=97, ffn_dim=90, n_layers=4)
 
 
-# model -> (config, simple_fsdp's expert parallelism: ep 2 on the 2 ranks, in 2 token chunks)
-_MODELS = {"dense": (T.CFG, {}), "moe": (MOE, {}), "moe-ep": (MOE, dict(ep=2, ep_chunks=2))}
+# model -> (config, simple_fsdp's expert parallelism: ep 2 on the 2 ranks, in 2 token chunks);
+# "hf-ep" is an unmodified Hugging Face Qwen3-MoE (T.build_model), its decoder layers the blocks
+_MODELS = {"dense": (T.CFG, {}), "moe": (MOE, {}), "moe-ep": (MOE, dict(ep=2, ep_chunks=2)),
+           "hf-ep": (hf_config("qwen3_moe", **FAMILIES["qwen3_moe"]), dict(ep=2, ep_chunks=2))}
 
 
 def _first_grads_then_train(model: str, regions: bool, reshard: bool, ac: str | None):
@@ -49,7 +53,8 @@ def _first_grads_then_train(model: str, regions: bool, reshard: bool, ac: str | 
     )
     data = T.batches(cfg)
     tokens, labels = rank_slice(data[0], dp_rank, dp_size)
-    cross_entropy_loss(runner(tokens), labels).backward()
+    out = runner(tokens)
+    cross_entropy_loss(getattr(out, "logits", out), labels).backward()  # an HF model returns a ModelOutput
     grads = {name: p.grad.full_tensor() for name, p in model.named_parameters()}
     model.zero_grad(set_to_none=True)
     return grads, T.train(runner, data, dp_rank=dp_rank, dp_size=dp_size), T.full_state(model)
@@ -69,8 +74,10 @@ def _parity_body(model: str, reshard: bool, ac: str | None):
         pytest.param("moe", True, "selective", marks=pytest.mark.slow),
         pytest.param("moe", False, None, marks=pytest.mark.slow),
         pytest.param("moe-ep", True, "full", marks=pytest.mark.slow),
+        pytest.param("hf-ep", True, "full", marks=pytest.mark.slow),
     ],
-    ids=["dense-reshard", "dense-reshard-ac", "dense-keep", "moe-reshard-ac", "moe-keep", "moe-ep2-chunks-reshard-ac"],
+    ids=["dense-reshard", "dense-reshard-ac", "dense-keep", "moe-reshard-ac", "moe-keep", "moe-ep2-chunks-reshard-ac",
+         "hf-qwen3-moe-ep2-chunks-reshard-ac"],
 )
 def test_blocks_compiled_once_train_bitwise_like_the_whole_model_compile(model, reshard, ac):
     results = T.launch_once(_parity_body, 2, model, reshard, ac)
@@ -285,6 +292,17 @@ def test_a_block_with_routed_experts_under_ep_becomes_regions_at_its_other_submo
     assert getattr(moe.attention.wq, REGION_SLOTS_ATTR) == {"weight": 0}
     assert getattr(moe.feed_forward.shared_experts, REGION_SLOTS_ATTR) == {"w1": 0, "w3": 1, "w2": 2}
     assert not hasattr(moe.feed_forward.experts, REGION_SLOTS_ATTR) and not hasattr(moe.ffn_norm, REGION_SLOTS_ATTR)
+
+
+def test_a_hugging_face_decoder_layer_under_ep_becomes_regions_at_its_attention_and_router(fake_world):
+    """An unmodified HF Qwen3-MoE: each decoder layer's ``self_attn`` (its q and k norms inside)
+    and ``mlp.gate`` are regions; the routed experts and the layer norms stay in the outer graph
+    (its region parity test is slow, above)."""
+    model = compile_blocks_once(_wrapped(_MODELS["hf-ep"][0], ep=2))
+    for layer in model.model.layers:
+        assert [n for n, m in layer.named_modules() if type(m).__name__.startswith("CompiledOnce")] == ["self_attn", "mlp.gate"]
+        assert getattr(layer.self_attn.q_norm, REGION_SLOTS_ATTR) == {"weight": 4}  # after q, k, v and o_proj
+        assert not hasattr(layer.mlp.experts, REGION_SLOTS_ATTR) and not hasattr(layer.input_layernorm, REGION_SLOTS_ATTR)
 
 
 _data_dependent_rows = torch.compiler.nested_compile_region(lambda rows, w: torch.nn.functional.silu(rows @ w))
