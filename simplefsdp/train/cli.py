@@ -39,6 +39,16 @@ from simplefsdp.tracing import trace
 PROG = "simplefsdp-train"
 
 
+def kernel_options(cfg: JobConfig, device_type: str) -> dict:
+    """Inductor options for the job's compiled kernels: on CPU ranks, unless ``training.cpu_simd``,
+    scalar C++ kernels (a SIMD width of 1 matches no vector ISA, so Inductor picks none). gcc
+    compiles them in less time, and a step runs at about the same speed or a little slower: the
+    README's debug MoE job on 2 cores reached its first step in 51-54 s instead of 78 s (with
+    the probe :func:`_rank_main` skips; RESULTS.md, "The README's main job: scalar CPU kernels").
+    Set per compile, not in Inductor's global config. GPU jobs: none."""
+    return {"cpp.simdlen": 1} if device_type == "cpu" and not cfg.training.cpu_simd else {}
+
+
 def loss_function(cfg: JobConfig, device_type: str):
     """The loss a training step computes: compiled when the model is compiled on a GPU (as
     torchtitan compiles its loss), eager otherwise.
@@ -162,7 +172,7 @@ def build(cfg: JobConfig, world: int, device_type: str):
         runner = model
         if t.compile:  # per block, as torchtitan compiles FSDP2 models
             for block in block_list(model):
-                block.compile()
+                block.compile(options=kernel_options(cfg, device_type) or None)
     else:
         mode = None if p.mode == "auto" else p.mode
         model = simple_fsdp(model, mesh, mode=mode, ep=p.ep, ep_chunks=p.ep_chunks or None, mp_policy=_mp_policy(cfg),
@@ -176,7 +186,8 @@ def build(cfg: JobConfig, world: int, device_type: str):
             passes = {} if t.passes else dict(bucketing="none", a2a_overlap=False, prefetch=0)
             if t.blocks_once:
                 compile_blocks_once(model)
-            options = compile_options(**passes, blocks_once=t.blocks_once) if passes or t.blocks_once else None
+            options = compile_options(**passes, blocks_once=t.blocks_once) if passes or t.blocks_once else {}
+            options = {**options, **kernel_options(cfg, device_type)} or None
             if t.precompile:
                 from simplefsdp.precompile import precompile
 
@@ -249,6 +260,11 @@ def run(cfg: JobConfig, start_step: int) -> list[float]:
 
 
 def _rank_main(cfg: JobConfig, start_step: int, trace_dir: str | None) -> list[float]:
+    if dist.get_backend() == "gloo" and not cfg.training.cpu_simd:
+        # A process of a CPU job, whose compiles are all scalar (kernel_options): Inductor's probe
+        # of the vector ISAs (a gcc build of a test program per ISA, about 9 s on a cold cache)
+        # has nothing to decide, so it is skipped for the job's processes.
+        torch._inductor.config.cpp.vec_isa_ok = False
     if trace_dir is None:
         return run(cfg, start_step)
     with trace(trace_dir) as tr:

@@ -10,7 +10,7 @@ A config has five sections; every key has a default, so a file names only what i
     [parallel]    dp_replicate, dp_shard (-1: the ranks left over), tp, ep, ep_chunks, mode,
                   reshard_after_forward, activation_checkpoint
     [training]    steps, lr, seed, global_batch, seq_len, dataset, compile, passes, blocks_once,
-                  precompile, param_dtype, reduce_dtype, max_norm, norm_in_backward, baseline
+                  precompile, param_dtype, reduce_dtype, max_norm, norm_in_backward, cpu_simd, baseline
     [checkpoint]  folder, interval, resume
     [metrics]     out_dir, tensorboard, peak_tflops
 
@@ -75,6 +75,9 @@ class Training:
     # with clipping on a compiled SimpleFSDP model: each gradient's squares summed in backward
     # (simplefsdp.grad_squares), so the norm reads no gradient
     norm_in_backward: bool = True
+    # CPU ranks: Inductor's vectorised C++ kernels; false (default): scalar kernels, which gcc
+    # compiles in less time (the CPU jobs this CLI runs are short, and most of them is compiling)
+    cpu_simd: bool = False
     baseline: str = "simplefsdp"  # one of BASELINES
 
 
@@ -432,7 +435,8 @@ def compiled_fingerprint(cfg: JobConfig) -> str:
     """What of the config a compiled model depends on, as canonical JSON: the model, the parallel
     layout and the training settings that reach the graph."""
     t = cfg.training
-    graph = {k: getattr(t, k) for k in ("param_dtype", "reduce_dtype", "passes", "blocks_once", "global_batch", "seq_len")}
+    graph = {k: getattr(t, k) for k in (
+        "param_dtype", "reduce_dtype", "passes", "blocks_once", "cpu_simd", "global_batch", "seq_len")}
     graph["grad_squares"] = tracks_grad_squares(cfg)
     return json.dumps({"model": model_fingerprint(cfg), "parallel": dataclasses.asdict(cfg.parallel), "training": graph},
                       sort_keys=True)

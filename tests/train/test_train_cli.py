@@ -421,3 +421,45 @@ def test_clipping_jobs_sum_gradient_squares_in_backward(fake_world, overrides, t
     model, _, _ = train.build(cfg, 8, "cpu")  # compiled models compile at their first call
     assert (tracked_grad_squares(model) is not None) == tracked
     assert json.loads(compiled_fingerprint(cfg))["training"]["grad_squares"] == tracked
+
+
+@pytest.mark.parametrize("overrides, scalar", [
+    ([], True),
+    ([("training.cpu_simd", "true")], False),
+    ([("training.baseline", "fsdp2")], True),  # its blocks compile with the same kernels
+    ([("training.blocks_once", "true")], True),
+])
+def test_cpu_jobs_compile_scalar_kernels_unless_asked(fake_world, monkeypatch, overrides, scalar):
+    """CPU jobs compile without SIMD (``cpp.simdlen`` 1) as a per-compile option, beside the
+    options they already had; ``training.cpu_simd`` gives Inductor's vectorised kernels back. GPU
+    jobs: no option. Inductor's global config is left as it was."""
+    import torch
+
+    from simplefsdp.train.config import compiled_fingerprint, load
+
+    options = []
+    monkeypatch.setattr(torch, "compile", lambda fn, **kwargs: options.append(kwargs.get("options")) or fn)
+    cfg = load(MOE, [("parallel.dp_shard", "8"), *overrides])
+    simdlen = torch._inductor.config.cpp.simdlen
+    train.build(cfg, 8, "cpu")
+    assert options and all(((o or {}).get("cpp.simdlen") == 1) == scalar for o in options), options
+    if cfg.training.blocks_once:
+        assert options[0]["allow_buffer_reuse"] is False  # blocks_once's own options are kept
+    assert torch._inductor.config.cpp.simdlen == simdlen
+    assert train.kernel_options(cfg, "cuda") == {}
+    assert json.loads(compiled_fingerprint(cfg))["training"]["cpu_simd"] == (("training.cpu_simd", "true") in overrides)
+
+
+@pytest.mark.parametrize("backend, cpu_simd, probes", [("gloo", "false", False), ("gloo", "true", True), ("nccl", "false", True)])
+def test_a_cpu_job_process_skips_the_vector_isa_probe(monkeypatch, backend, cpu_simd, probes):
+    """The rank process of a CPU job without ``training.cpu_simd`` turns Inductor's vector-ISA probe
+    off (its compiles are scalar anyway); with it, or on GPUs, the probe runs as before."""
+    import torch
+
+    from simplefsdp.train.config import load
+
+    monkeypatch.setattr(torch._inductor.config.cpp, "vec_isa_ok", None)  # restored after the test
+    monkeypatch.setattr(train.dist, "get_backend", lambda: backend)
+    monkeypatch.setattr(train, "run", lambda cfg, start: [])
+    train._rank_main(load(MOE, [("training.cpu_simd", cpu_simd)]), 0, None)
+    assert torch._inductor.config.cpp.vec_isa_ok is (None if probes else False)
