@@ -46,6 +46,9 @@ own reduced in another kernel (gradients 1e-9 apart on CPU, 2 ranks, FSDP2 x EP2
 
 What it needs, and refuses otherwise (a ValueError before anything changes):
 
+* no tensor parallelism: inside a region the gathered parameters are plain tensors, and a TP
+  block's activations are DTensors (the compile failed with "got mixed torch.Tensor and DTensor");
+
 * ``torch.compile(model, options=compile_options(blocks_once=True))``: Inductor's buffer reuse off
   and the joint-graph pass above (checked when the graph is lowered:
   :mod:`simplefsdp.passes.block_region_check`).
@@ -60,6 +63,7 @@ import torch.nn as nn
 
 from simplefsdp.blocks import block_list
 from simplefsdp.compile_cache import CompileSetting, on_each_compile
+from simplefsdp.mesh_layout import TP
 from simplefsdp.moe.token_dispatch import TokenDispatcher
 from simplefsdp.param_access import REGION_SLOTS_ATTR, STATE_ATTR, WRAPPED_ATTR, is_wrapped
 from simplefsdp.wrap import is_simple_fsdp
@@ -137,6 +141,11 @@ def _unit_reads(name: str, unit: nn.Module, owner: dict) -> list[tuple[nn.Module
     return reads
 
 
+def _mesh_dims(param: torch.Tensor) -> tuple[str, ...]:
+    mesh = getattr(param, "device_mesh", None)  # a DTensor's
+    return (mesh.mesh_dim_names or ()) if mesh is not None else ()
+
+
 def compile_blocks_once(model: nn.Module, blocks: str | None = None) -> nn.Module:
     """Make ``torch.compile(model)`` compile each distinct block of ``model`` once (in place;
     returns ``model``). ``model`` must be wrapped by ``simple_fsdp``; ``blocks`` names the block
@@ -146,6 +155,13 @@ def compile_blocks_once(model: nn.Module, blocks: str | None = None) -> nn.Modul
         raise ValueError("compile_blocks_once needs torch.compiler.nested_compile_region (torch >= 2.11)")
     if not is_simple_fsdp(model):
         raise ValueError("compile_blocks_once needs a model wrapped by simple_fsdp (call simple_fsdp first)")
+    tp = next((name for name, p in model.named_parameters() if TP in _mesh_dims(p)), None)
+    if tp is not None:
+        raise ValueError(
+            f"compile_blocks_once: parameter {tp!r} is tensor-parallel (mesh dim {TP!r}); blocks compiled once "
+            "do not take tensor parallelism (a region's plain-tensor parameters would meet DTensor activations); "
+            "compile the whole model"
+        )
     layers = block_list(model, blocks)
     prefix = blocks if blocks is not None else next(n for n, m in model.named_modules() if m is layers)
     owner: dict[nn.Module, str] = {}

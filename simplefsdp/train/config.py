@@ -374,6 +374,8 @@ def validate(cfg: JobConfig, world: int) -> None:
     if t.blocks_once:
         _check(t.compile and t.baseline == "simplefsdp", "training.blocks_once",
                "compiles SimpleFSDP's blocks once; it needs training.compile and the simplefsdp baseline")
+        _check(p.tp == 1, "training.blocks_once", f"blocks compiled once do not take tensor parallelism (parallel.tp {p.tp}); "
+               "set training.blocks_once false")
     if t.precompile:
         _check(t.compile and t.baseline == "simplefsdp", "training.precompile",
                "saves SimpleFSDP's compiled model; it needs training.compile and the simplefsdp baseline")

@@ -263,6 +263,18 @@ def test_refusals_change_nothing(fake_world):
     assert _unchanged(model) == before
 
 
+def test_refuses_tensor_parallelism(fake_world):
+    """A TP model is refused before anything changes (its compile failed deep in DTensor)."""
+    from simplefsdp.models.tp_plan import apply_tensor_parallel
+
+    mesh = init_device_mesh("cpu", (4, 2), mesh_dim_names=("dp_shard", "tp"))
+    model = simple_fsdp(apply_tensor_parallel(T.build_model(MOE), mesh["tp"]), mesh)
+    before = _unchanged(model)
+    with pytest.raises(ValueError, match="parameter 'layers.0.attention.wq.weight' is tensor-parallel .mesh dim 'tp'."):
+        compile_blocks_once(model)
+    assert _unchanged(model) == before
+
+
 def test_refuses_a_model_not_wrapped_and_a_second_call(fake_world):
     with pytest.raises(ValueError, match="needs a model wrapped by simple_fsdp"):
         compile_blocks_once(T.build_model(MOE))

@@ -77,6 +77,8 @@ def _error(capsys, *argv) -> str:
         (DENSE, ["--training.lr", "nan"], "training.lr: must be a positive number, got nan"),
         (DENSE, ["--training.blocks_once", "true", "--training.compile", "false"],
          "training.blocks_once: compiles SimpleFSDP's blocks once; it needs training.compile"),
+        (DENSE, ["--ranks", 4, "--parallel.dp_shard", 2, "--parallel.tp", 2, "--training.blocks_once", "true"],
+         "training.blocks_once: blocks compiled once do not take tensor parallelism (parallel.tp 2)"),
         (DENSE, ["--training.precompile", "true", "--training.compile", "false"],
          "training.precompile: saves SimpleFSDP's compiled model; it needs training.compile"),
         (DENSE, ["--training.precompile", "true", "--training.blocks_once", "true"],
