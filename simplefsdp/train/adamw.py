@@ -31,8 +31,10 @@ for DTensor parameters), so checkpoints move between the two.
 
 from __future__ import annotations
 
+import functools
 import math
 import os
+from typing import Callable
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -132,7 +134,12 @@ class AdamW(torch.optim.AdamW):
         self._chunk_maps: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 
     @torch.no_grad()
-    def step(self, closure=None, *, grad_divisor: torch.Tensor | None = None):
+    def step(self, closure=None, *, grad_divisor: torch.Tensor | Callable[[], torch.Tensor] | None = None):
+        """One AdamW step of every param group. ``grad_divisor``: a scalar tensor each gradient is
+        divided by as it is read, or a function returning one, called once after every group's
+        host-side preparation (state, step counts, tensor tables and their copies to the device)
+        and before any group's update runs. A divisor that waits for the GPU (a norm whose check
+        copies to the host) then waits while the preparation is already done, not before it."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -141,6 +148,7 @@ class AdamW(torch.optim.AdamW):
             for key in ("amsgrad", "maximize", "capturable", "differentiable", "fused"):
                 if group.get(key):
                     raise ValueError(f"simplefsdp AdamW: param group {i} sets {key}=True, which it does not implement")
+        updates = []  # each group's update, prepared on the host, run once the divisor is known
         for group in self.param_groups:
             params = [p for p in group["params"] if p.grad is not None]
             kernel, other = [], []
@@ -156,9 +164,12 @@ class AdamW(torch.optim.AdamW):
                 (kernel if _kernel_takes(tensors) else other).append((p, tensors))
             for device, dtype in {(tensors[0].device, tensors[0].dtype) for _, tensors in kernel}:
                 same = [e for e in kernel if (e[1][0].device, e[1][0].dtype) == (device, dtype)]
-                self._kernel_step(group, same, grad_divisor)
+                updates.append(self._kernel_update(group, same))
             if other:
-                self._foreach_step(group, other, grad_divisor)
+                updates.append(functools.partial(self._foreach_step, group, other))
+        divisor = grad_divisor() if callable(grad_divisor) else grad_divisor
+        for update in updates:
+            update(divisor)
         return loss
 
     def _foreach_step(self, group, entries, grad_divisor) -> None:
@@ -183,7 +194,9 @@ class AdamW(torch.optim.AdamW):
             self._chunk_maps[key] = (tensor_index.to(device, torch.int32), start.to(device, torch.int64))
         return self._chunk_maps[key]
 
-    def _kernel_step(self, group, entries, grad_divisor) -> None:
+    def _kernel_update(self, group, entries) -> Callable[[torch.Tensor | None], None]:
+        """Prepare one kernel launch over ``entries`` (one device and dtype): the step counts, the
+        device tables; returns the launch, which takes the divisor."""
         beta1, beta2 = group["betas"]
         lr = float(group["lr"])
         columns = list(zip(*(tensors for _, tensors in entries)))
@@ -199,11 +212,15 @@ class AdamW(torch.optim.AdamW):
         if device.type == "cuda":
             table, coefs = (t.pin_memory().to(device, non_blocking=True) for t in (table, coefs))
         tensor_index, start = self._chunk_map(device, numels)
-        if not len(tensor_index):  # every shard of the group is empty on this rank
-            return
-        divisor = grad_divisor.to(device=device, dtype=torch.float32) if grad_divisor is not None else coefs
-        _adamw_kernel[(len(tensor_index),)](
-            table, coefs, tensor_index, start, divisor, len(numels),
-            lr, beta1, beta2, group["eps"], group["weight_decay"],
-            DTYPE=_KERNEL_DTYPES[columns[0][0].dtype], HAS_DIVISOR=grad_divisor is not None, BLOCK=BLOCK,
-            CHUNK_BLOCKS=CHUNK_BLOCKS, num_warps=NUM_WARPS)
+
+        def launch(grad_divisor: torch.Tensor | None) -> None:
+            if not len(tensor_index):  # every shard of the group is empty on this rank
+                return
+            divisor = grad_divisor.to(device=device, dtype=torch.float32) if grad_divisor is not None else coefs
+            _adamw_kernel[(len(tensor_index),)](
+                table, coefs, tensor_index, start, divisor, len(numels),
+                lr, beta1, beta2, group["eps"], group["weight_decay"],
+                DTYPE=_KERNEL_DTYPES[columns[0][0].dtype], HAS_DIVISOR=grad_divisor is not None, BLOCK=BLOCK,
+                CHUNK_BLOCKS=CHUNK_BLOCKS, num_warps=NUM_WARPS)
+
+        return launch

@@ -43,13 +43,24 @@ def clipped_step(optimizer: torch.optim.Optimizer, params, max_norm: float, mark
     inside its step and leaves the gradients as they were (module docstring); any other optimizer
     gets its gradients scaled first, as ``clip_grad_norm_`` does. ``mark("clip")`` is called once
     the norm (and any scaling) is done. ``squares``: the model's gradient squares computed in
-    backward (:func:`simplefsdp.grad_squares.track_grad_squares`), so the norm reads no gradient."""
+    backward (:func:`simplefsdp.grad_squares.track_grad_squares`), so the norm reads no gradient.
+
+    With this project's AdamW the norm is taken inside its step, after the step has prepared every
+    group's update on the host: the norm's count check copies to the host and so waits for the
+    backward's last kernels, and the preparation runs while they do instead of after, when the GPU
+    would have nothing to run (with the check first, gpu_moe's optimizer phase on an H200 took
+    14.1 ms around an 11.8 ms kernel). ``mark("clip")``'s phase then holds that preparation too."""
     if max_norm <= 0 or not isinstance(optimizer, AdamW):
         norm = clip_grads_(params, max_norm, squares)
         mark("clip")
         optimizer.step()
         return norm
-    norm = grad_norm(params, squares)
-    mark("clip")
-    optimizer.step(grad_divisor=clip_divisor(norm, max_norm))
-    return norm
+    norms = []
+
+    def divisor() -> torch.Tensor:  # called by the step once it has prepared every group's update
+        norms.append(grad_norm(params, squares))
+        mark("clip")
+        return clip_divisor(norms[0], max_norm)
+
+    optimizer.step(grad_divisor=divisor)
+    return norms[0]

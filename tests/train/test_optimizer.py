@@ -156,6 +156,30 @@ def test_another_optimizer_gets_its_gradients_scaled_first():
     assert all(torch.equal(a, b) for a, b in zip(layers[0].parameters(), layers[1].parameters()))
 
 
+def test_a_divisor_function_runs_once_after_every_group_is_prepared():
+    """``step(grad_divisor=fn)``: ``fn`` is called once, when every param group's state exists and
+    before any parameter moves; the step then equals one given the divisor itself."""
+    from simplefsdp.train.adamw import AdamW
+
+    torch.manual_seed(0)
+    start, grads = torch.randn(2, 5), torch.randn(2, 5)
+    runs, calls = [], []
+    for given in ("function", "tensor"):
+        params = [torch.nn.Parameter(start[i].clone()) for i in range(2)]
+        for p, g in zip(params, grads):
+            p.grad = g.clone()
+        optimizer = AdamW([{"params": [params[0]]}, {"params": [params[1]]}], lr=1e-2)
+
+        def divisor():
+            calls.append(([p in optimizer.state for p in params], [torch.equal(p, s) for p, s in zip(params, start)]))
+            return torch.tensor(4.0)
+
+        optimizer.step(grad_divisor=divisor if given == "function" else torch.tensor(4.0))
+        runs.append(torch.stack([p.detach() for p in params]))
+    assert calls == [([True, True], [True, True])]
+    assert torch.equal(runs[0], runs[1]) and not torch.equal(runs[0], start)
+
+
 @pytest.mark.parametrize("option", ["amsgrad", "maximize", "fused", "capturable"])
 def test_options_it_does_not_implement_are_refused_before_any_step(option):
     """In the constructor, or set on a param group later: a ValueError naming the option, raised
