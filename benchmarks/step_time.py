@@ -154,6 +154,7 @@ def gpu_time_split(prof) -> dict[str, float]:
     split = {"comm": 0.0, "copy": 0.0, "compute": 0.0}
     spans = {"comm": [], "other": []}
     kernels: dict[str, float] = {}
+    category_of: dict[str, str] = {}  # kernel name (first 160 characters) -> its full name's category
     categories = dict.fromkeys([c for c, _ in KERNEL_CATEGORIES] + [OTHER_CATEGORY], 0.0)
     for event in prof.events():
         # kernels only: record_function ranges show up on the device timeline too
@@ -162,15 +163,20 @@ def gpu_time_split(prof) -> dict[str, float]:
         name = event.name.lower()
         kind = "comm" if "nccl" in name else "copy" if name.startswith(("memcpy", "memset")) else "compute"
         split[kind] += event.device_time / 1e6  # microseconds
-        kernels[event.name[:160]] = kernels.get(event.name[:160], 0.0) + event.device_time / 1e6
-        categories[kernel_category(event.name)] += event.device_time / 1e6
+        short = event.name[:160]
+        kernels[short] = kernels.get(short, 0.0) + event.device_time / 1e6
+        category_of[short] = kernel_category(event.name)
+        categories[category_of[short]] += event.device_time / 1e6
         spans["comm" if kind == "comm" else "other"].append((event.time_range.start, event.time_range.end))
     split["exposed_comm"] = exposed_time(spans["comm"], spans["other"]) / 1e6
     ranked = sorted(kernels.items(), key=lambda kv: -kv[1])
     split["kernels"] = dict(ranked[:TOP_KERNELS])
     split["categories"] = categories
-    split["category_kernels"] = {c: dict([kv for kv in ranked if kernel_category(kv[0]) == c][:TOP_PER_CATEGORY])
-                                 for c in categories}
+    split["category_kernels"] = {c: {} for c in categories}
+    for name, seconds in ranked:
+        top = split["category_kernels"][category_of[name]]
+        if len(top) < TOP_PER_CATEGORY:
+            top[name] = seconds
     return split
 
 
