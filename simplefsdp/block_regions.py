@@ -46,9 +46,8 @@ own reduced in another kernel (gradients 1e-9 apart on CPU, 2 ranks, FSDP2 x EP2
 
 What it needs, and refuses otherwise (a ValueError before anything changes):
 
-* no tensor parallelism: inside a region the gathered parameters are plain tensors, and a TP
-  block's activations are DTensors (the compile failed with "got mixed torch.Tensor and DTensor");
-
+* No tensor parallelism: inside a region the gathered parameters are plain tensors, and a TP
+  block's activations are DTensors (the compile failed with "got mixed torch.Tensor and DTensor").
 * ``torch.compile(model, options=compile_options(blocks_once=True))``: Inductor's buffer reuse off
   and the joint-graph pass above (checked when the graph is lowered:
   :mod:`simplefsdp.passes.block_region_check`).
