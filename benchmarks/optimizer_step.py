@@ -9,7 +9,10 @@ gradients, with CUDA events around ``--steps`` calls queued back to back (median
   the clip divisor as its ``grad_scale``, against this project's multi-tensor Triton kernel
   (:class:`simplefsdp.train.adamw.AdamW`), alone and with clipping folded in as a training step
   runs it (:func:`simplefsdp.train.optimizer.clipped_step`: the norm, then the step);
-* ``--sweep``: the Triton kernel's block size, chunk length and warps.
+* ``--sweep``: the Triton kernel's block size, chunk length and warps;
+* a device-to-device copy as large as the parameters (read 4 B, write 4 B per parameter), the
+  bandwidth this GPU reaches in practice, so the kernel's share of it can be told from its share
+  of the HBM peak.
 
 The floor is the bytes fp32 AdamW must move per step (read parameter, gradient and both moments,
 write parameter and both moments: 28 bytes per parameter) over the GPU's memory bandwidth; the
@@ -101,15 +104,21 @@ def main() -> None:
     sweep = {}
     if args.sweep:
         default = (adamw.BLOCK, adamw.CHUNK_BLOCKS, adamw.NUM_WARPS)
-        for block, chunk_blocks, warps in ((1024, 8, 4), (1024, 16, 4), (2048, 8, 8), (4096, 4, 8), (4096, 8, 16), (8192, 2, 16)):
+        for block, chunk_blocks, warps in ((1024, 8, 4), (1024, 16, 4), (2048, 4, 8), (2048, 8, 8), (2048, 16, 8),
+                                           (4096, 4, 8), (4096, 8, 16), (8192, 2, 16), (8192, 4, 16), (16384, 1, 32)):
             adamw.BLOCK, adamw.CHUNK_BLOCKS, adamw.NUM_WARPS = block, chunk_blocks, warps
             sweep[f"BLOCK={block} CHUNK_BLOCKS={chunk_blocks} warps={warps}"] = median_ms(optimizer.step, args.warmup, args.steps)
         adamw.BLOCK, adamw.CHUNK_BLOCKS, adamw.NUM_WARPS = default
     del optimizer
+    source = torch.empty(n, dtype=torch.float32, device=device)
+    target = torch.empty_like(source)
+    copy_ms = median_ms(lambda: target.copy_(source), args.warmup, args.steps)
+    del source, target
     gpu = next((k for k in BANDWIDTH if k in torch.cuda.get_device_name()), None)
     floor_ms = 28 * n / BANDWIDTH[gpu] * 1e3 if gpu else None
     result = dict(config=os.path.basename(args.config), parameters=n, gpu=torch.cuda.get_device_name(),
-                  torch=torch.__version__, floor_ms=floor_ms, ms=rows, sweep_ms=sweep)
+                  torch=torch.__version__, floor_ms=floor_ms, ms=rows, sweep_ms=sweep,
+                  copy_tb_per_s=8 * n / copy_ms / 1e9)
     print(f"\n{result['config']}: {n / 1e9:.2f}B parameters on {result['gpu']}, torch {torch.__version__}")
     print("| step part | ms |\n|---|---|")
     for name, ms in rows.items():
@@ -117,6 +126,7 @@ def main() -> None:
     if floor_ms:
         print(f"| fp32 AdamW traffic floor (28 B/param at HBM peak) | {floor_ms:.2f} |")
         print(f"| floor with the norm's read (32 B/param) | {floor_ms * 32 / 28:.2f} |")
+    print(f"| device-to-device copy, 8 B/param | {copy_ms:.2f} ({result['copy_tb_per_s']:.2f} TB/s) |")
     for name, ms in sweep.items():
         print(f"| Triton AdamW, {name} | {ms:.2f} |" + (f" {floor_ms / ms:.0%} of floor" if floor_ms else ""))
     if args.out:

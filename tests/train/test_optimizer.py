@@ -304,17 +304,18 @@ def test_kernel_compiles_for_hopper_with_128_bit_loads_and_stores():
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from simplefsdp.train.adamw import _adamw_kernel
+    from simplefsdp.train.adamw import BLOCK, CHUNK_BLOCKS, NUM_WARPS, _adamw_kernel
 
     signature = {"table_ptr": "*i64", "coef_ptr": "*fp32", "chunk_tensor_ptr": "*i32", "chunk_start_ptr": "*i64",
                  "divisor_ptr": "*fp32", "n_tensors": "i32", "lr": "fp32", "beta1": "fp32", "beta2": "fp32",
                  "eps": "fp32", "weight_decay": "fp32", "DTYPE": "constexpr", "HAS_DIVISOR": "constexpr",
                  "BLOCK": "constexpr", "CHUNK_BLOCKS": "constexpr"}
-    # 2048 elements over 256 threads: 8 per thread, so two 128-bit accesses per fp32 array, one per bf16 array
-    for dtype, per_array in ((triton.language.float32, 2), (triton.language.bfloat16, 1)):
+    # the kernel as it runs: BLOCK elements over NUM_WARPS * 32 threads, 16 bytes per 128-bit access
+    per_thread = BLOCK // (NUM_WARPS * 32)
+    for dtype, per_array in ((triton.language.float32, per_thread * 4 // 16), (triton.language.bfloat16, per_thread * 2 // 16)):
         for has_divisor in (True, False):
-            constexprs = {"DTYPE": dtype, "HAS_DIVISOR": has_divisor, "BLOCK": 2048, "CHUNK_BLOCKS": 8}
+            constexprs = {"DTYPE": dtype, "HAS_DIVISOR": has_divisor, "BLOCK": BLOCK, "CHUNK_BLOCKS": CHUNK_BLOCKS}
             source = ASTSource(fn=_adamw_kernel, signature=signature, constexprs=constexprs)
-            ptx = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 8}).asm["ptx"]
+            ptx = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": NUM_WARPS}).asm["ptx"]
             loads, stores = ptx.count("ld.global.v4.b32"), ptx.count("st.global.v4.b32")
             assert (loads, stores) == (4 * per_array, 3 * per_array), (dtype, has_divisor, loads, stores)
