@@ -53,22 +53,28 @@ def group_by_mesh(tensors) -> dict[tuple | None, list[torch.Tensor]]:
     return groups
 
 
+def _locals(grads: list[torch.Tensor]) -> list[torch.Tensor]:
+    return [(g.to_local() if isinstance(g, DTensor) else g).detach() for g in grads]
+
+
 def _by_mesh(grads: list[torch.Tensor]) -> dict[tuple | None, list[torch.Tensor]]:
     """The local tensors of ``grads``, grouped by (mesh, placements)."""
-    return {
-        key: [(g.to_local() if isinstance(g, DTensor) else g).detach() for g in group]
-        for key, group in group_by_mesh(grads).items()
-    }
+    return {key: _locals(group) for key, group in group_by_mesh(grads).items()}
 
 
 @torch.no_grad()
 def grad_norm(params, squares: GradSquares | None = None) -> torch.Tensor:
     """The total gradient norm of ``params`` (every rank gets the same value). With ``squares``
     (the model's :func:`simplefsdp.grad_squares.track_grad_squares`), each group whose squares the
-    backward computed is not read again."""
+    backward computed is not read again, and its local tensors are not even taken.
+
+    The grouping is host work over every gradient; it runs before ``squares.take``, whose count
+    check copies to the host and so waits for the backward's last kernels, not after it, while the
+    GPU would wait for the host."""
     params = list(params)
-    known = squares.take(params) if squares is not None else None
-    return total_norm(_by_mesh([p.grad for p in params if p.grad is not None]), known)
+    groups = group_by_mesh([p.grad for p in params if p.grad is not None])
+    known = squares.take(params) if squares is not None else {}
+    return total_norm({key: [] if key in known else _locals(grads) for key, grads in groups.items()}, known)
 
 
 def clip_divisor(norm: torch.Tensor, max_norm: float) -> torch.Tensor:
