@@ -100,6 +100,25 @@ def test_two_backwards_before_a_step_read_the_gradients(mesh):
     assert value.item() == pytest.approx(next(iter(_read_squares(params).values())), rel=1e-6)
 
 
+def test_a_group_whose_squares_are_known_takes_no_local_gradient(mesh, monkeypatch):
+    """The norm from squares reads no gradient and takes no local tensor of one either: that host
+    work (a ``to_local`` per gradient) would run after the count check has waited for the GPU."""
+    from torch.distributed.tensor import DTensor
+
+    model = _wrapped(nn.Sequential(nn.Linear(8, 8, bias=False), nn.Linear(8, 8, bias=False)), mesh)
+    squares = track_grad_squares(model)
+    params = list(model.parameters())
+    model(torch.randn(4, 8)).sum().backward()
+    grads = {id(p.grad) for p in params}
+    taken = []
+    to_local = DTensor.to_local
+    monkeypatch.setattr(DTensor, "to_local", lambda self, *a, **k: (taken.append(id(self) in grads), to_local(self, *a, **k))[1])
+    from_squares = grad_norm(params, squares)
+    assert taken == []
+    assert grad_norm(params) == pytest.approx(from_squares.item(), rel=1e-6)  # the sinks are empty: read
+    assert taken == [True, True]
+
+
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
 def test_a_module_called_twice_reads_its_group(mesh, compiled):
     """``inner``'s weight is gathered once per call, so its gradient arrives in two parts whose
