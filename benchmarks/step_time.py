@@ -202,8 +202,65 @@ def profile_steps(step, steps: int) -> dict:
                 top_kernels_by_category_s=by_category)
 
 
+TORCH_DIR = os.path.dirname(torch.__file__)
+PEAK_ALLOCATION_SITES = 12  # the allocation sites with the most bytes live at the peak, kept per run
+
+
+def _allocation_site(frames: list[dict]) -> str:
+    """Where a block was allocated: the innermost frame outside torch's own Python (Inductor's
+    generated code and FSDP2 count as outside), as ``file:line: source``."""
+    import linecache
+
+    for f in frames:
+        name = f["filename"]
+        if not name.startswith(TORCH_DIR) or "/distributed/fsdp/" in name:
+            return f"{os.path.basename(name)}:{f['line']}: {linecache.getline(name, f['line']).strip()[:120]}"
+    return "(torch internals)"
+
+
+def live_at_peak(events: list[dict]) -> tuple[int, list[tuple[int, str, int]]]:
+    """From the CUDA allocator's alloc and free events: the peak of the bytes allocated since the
+    first event, and the blocks allocated since then that are live at it, as (bytes, allocation
+    site, index of the alloc event). A block allocated before the first event and freed after
+    counts down."""
+    live, total, peak, at_peak = {}, 0, 0, {}
+    for i, e in enumerate(events):
+        if e["action"] == "alloc":
+            live[e["addr"]] = (i, e)
+            total += e["size"]
+            if total > peak:
+                peak, at_peak = total, dict(live)
+        elif e["action"] == "free_completed":
+            live.pop(e["addr"], None)
+            total -= e["size"]
+    return peak, [(e["size"], _allocation_site(e.get("frames", [])), i) for i, e in at_peak.values()]
+
+
+def memory_at_peak(step) -> dict:
+    """One call of ``step()`` with the CUDA allocator's history on: the bytes allocated before it,
+    its peak above them, the blocks live at that peak (:func:`live_at_peak`) and the allocation
+    sites with the most bytes among them."""
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.memory._record_memory_history(max_entries=1_000_000, stacks="python")
+    try:
+        step()
+        torch.cuda.synchronize()
+        events = torch.cuda.memory._snapshot()["device_traces"][torch.cuda.current_device()]
+    finally:
+        torch.cuda.memory._record_memory_history(enabled=None)
+    peak, blocks = live_at_peak(events)
+    sites: dict[str, list[int]] = {}
+    for size, site, _ in blocks:
+        sites.setdefault(site, [0, 0])[0] += size
+        sites[site][1] += 1
+    ranked = sorted(sites.items(), key=lambda kv: -kv[1][0])[:PEAK_ALLOCATION_SITES]
+    return dict(before_gib=before / 2**30, step_peak_gib=peak / 2**30, events=len(events), blocks=blocks,
+                sites={site: dict(gib=b / 2**30, blocks=n) for site, (b, n) in ranked})
+
+
 def run_one(model_name: str, mode: str, ac: str, *, warmup: int, steps: int, device: torch.device,
-            profile: int, overrides: list[tuple[str, str]] = ()) -> dict:
+            profile: int, memory: bool = False, overrides: list[tuple[str, str]] = ()) -> dict:
     """Train ``warmup + steps`` steps of one model in one mode on every rank; rank 0's figures."""
     baseline, compiled, passes, *blocks_once = MODES[mode]
     overrides = [*overrides, ("parallel.activation_checkpoint", ac), ("training.baseline", baseline),
@@ -247,6 +304,8 @@ def run_one(model_name: str, mode: str, ac: str, *, warmup: int, steps: int, dev
         row.update(peak_allocated_gib=peaks[0].item() / 2**30, peak_reserved_gib=peaks[1].item() / 2**30)
         if profile and mode in PROFILED:
             row["profile"] = profile_steps(lambda: step(len(losses)), profile)
+        if memory:
+            row["memory_at_peak"] = memory_at_peak(lambda: step(len(losses)))
     return row
 
 
@@ -313,6 +372,13 @@ def markdown(results: list[dict]) -> str:
                                  [[r["model"], r["ac"], r["mode"], *(_num(1e3 * c[n], 2) for n in names),
                                    _num(1e3 * sum(c.values()), 1)]
                                   for r in by_category for c in [r["profile"]["categories_s"]]]))
+        for r in rows:
+            if "memory_at_peak" in r:
+                m = r["memory_at_peak"]
+                out.append(f"\nLive at the peak of one step, {r['model']} {r['mode']}: {m['before_gib']:.3f} GiB "
+                           f"allocated before the step, {m['step_peak_gib']:.3f} GiB more at its peak, by allocation site:\n")
+                out.append(table(["site", "GiB", "blocks"], [[f"`{s}`", _num(v["gib"], 3), v["blocks"]]
+                                                             for s, v in m["sites"].items()]))
         out.append("")
     return "\n".join(out)
 
@@ -331,6 +397,8 @@ def main() -> None:
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="config override for every run, e.g. model.n_layers=2 (repeatable)")
     p.add_argument("--profile", type=int, nargs="?", const=3, default=0, help="profile this many extra steps")
+    p.add_argument("--memory", action="store_true",
+                   help="one more step with the allocator's history: what is live at its peak, by allocation site")
     p.add_argument("--deterministic", action="store_true",
                    help="deterministic kernels (torch.use_deterministic_algorithms), for the bitwise loss column")
     p.add_argument("--out", help="results JSON")
@@ -355,7 +423,7 @@ def main() -> None:
         for ac in args.ac.split(","):
             for mode in args.modes.split(","):
                 measure(result, args.out, model_name, mode, ac, warmup=args.warmup, steps=args.steps, device=device,
-                        profile=args.profile, overrides=[kv.split("=", 1) for kv in args.set])
+                        profile=args.profile, memory=args.memory, overrides=[kv.split("=", 1) for kv in args.set])
     if dist.get_rank() == 0:
         print("\n" + markdown([result]))
     dist.destroy_process_group()

@@ -179,6 +179,22 @@ def test_step_split_times_each_phase_of_train_step():
     assert "| forward+backward | clip | optimizer |" in text and "| 120.0 " in text
 
 
+def test_live_at_peak_replays_the_allocators_events():
+    here = dict(filename=__file__, line=1, name="f")
+    inside_torch = dict(filename=os.path.join(step_time.TORCH_DIR, "nn", "functional.py"), line=2, name="g")
+    events = [dict(action="alloc", addr=1, size=100, frames=[inside_torch, here]),
+              dict(action="free_completed", addr=7, size=50),  # a block from before the first event
+              dict(action="alloc", addr=2, size=30, frames=[]),
+              dict(action="alloc", addr=3, size=40, frames=[here]),  # the peak: 100 + 30 + 40 - 50
+              dict(action="free_requested", addr=1, size=100),
+              dict(action="free_completed", addr=1, size=100),
+              dict(action="alloc", addr=4, size=90, frames=[here])]  # 30 + 40 + 90 - 50 = 110 < 120
+    peak, blocks = step_time.live_at_peak(events)
+    assert peak == 120
+    site = f"test_benchmarks.py:1: {open(__file__).readline().strip()[:120]}"
+    assert sorted(blocks) == [(30, "(torch internals)", 2), (40, site, 3), (100, site, 0)]
+
+
 def test_grouped_offsets_pad_each_group():
     counts = torch.tensor([1, 16, 0, 17])
     assert moe_kernels.offsets(counts).tolist() == [16, 32, 32, 64]
