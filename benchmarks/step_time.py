@@ -204,6 +204,7 @@ def profile_steps(step, steps: int) -> dict:
 
 TORCH_DIR = os.path.dirname(torch.__file__)
 PEAK_ALLOCATION_SITES = 12  # the allocation sites with the most bytes live at the peak, kept per run
+PEAK_LAST_BLOCKS = 6  # and the blocks allocated last before it
 
 
 def _allocation_site(frames: list[dict]) -> str:
@@ -238,8 +239,7 @@ def live_at_peak(events: list[dict]) -> tuple[int, list[tuple[int, str, int]]]:
 
 def memory_at_peak(step) -> dict:
     """One call of ``step()`` with the CUDA allocator's history on: the bytes allocated before it,
-    its peak above them, the blocks live at that peak (:func:`live_at_peak`) and the allocation
-    sites with the most bytes among them."""
+    its peak above them, and what is live at that peak (:func:`live_at_peak`, :func:`peak_summary`)."""
     torch.cuda.synchronize()
     before = torch.cuda.memory_allocated()
     torch.cuda.memory._record_memory_history(max_entries=1_000_000, stacks="python")
@@ -250,13 +250,23 @@ def memory_at_peak(step) -> dict:
     finally:
         torch.cuda.memory._record_memory_history(enabled=None)
     peak, blocks = live_at_peak(events)
+    return dict(before_gib=before / 2**30, step_peak_gib=peak / 2**30, events=len(events), **peak_summary(blocks))
+
+
+def peak_summary(blocks: list[tuple[int, str, int]]) -> dict:
+    """What :func:`live_at_peak`'s blocks show: the allocation sites with the most bytes, the
+    blocks by size (MiB: count), and the last blocks allocated before the peak (where it is)."""
     sites: dict[str, list[int]] = {}
+    sizes: dict[str, int] = {}
     for size, site, _ in blocks:
         sites.setdefault(site, [0, 0])[0] += size
         sites[site][1] += 1
+        sizes[f"{size / 2**20:.3f}"] = sizes.get(f"{size / 2**20:.3f}", 0) + 1
     ranked = sorted(sites.items(), key=lambda kv: -kv[1][0])[:PEAK_ALLOCATION_SITES]
-    return dict(before_gib=before / 2**30, step_peak_gib=peak / 2**30, events=len(events), blocks=blocks,
-                sites={site: dict(gib=b / 2**30, blocks=n) for site, (b, n) in ranked})
+    last = sorted(blocks, key=lambda b: b[2])[-PEAK_LAST_BLOCKS:]
+    return dict(sites={site: dict(gib=b / 2**30, blocks=n) for site, (b, n) in ranked},
+                blocks_by_mib=dict(sorted(sizes.items(), key=lambda kv: -float(kv[0]))),
+                last_allocated=[dict(mib=size / 2**20, site=site, event=i) for size, site, i in last])
 
 
 def run_one(model_name: str, mode: str, ac: str, *, warmup: int, steps: int, device: torch.device,
@@ -376,7 +386,8 @@ def markdown(results: list[dict]) -> str:
             if "memory_at_peak" in r:
                 m = r["memory_at_peak"]
                 out.append(f"\nLive at the peak of one step, {r['model']} {r['mode']}: {m['before_gib']:.3f} GiB "
-                           f"allocated before the step, {m['step_peak_gib']:.3f} GiB more at its peak, by allocation site:\n")
+                           f"allocated before the step, {m['step_peak_gib']:.3f} GiB more at its peak, reached at "
+                           f"`{m['last_allocated'][-1]['site']}`; by allocation site:\n")
                 out.append(table(["site", "GiB", "blocks"], [[f"`{s}`", _num(v["gib"], 3), v["blocks"]]
                                                              for s, v in m["sites"].items()]))
         out.append("")

@@ -193,6 +193,14 @@ def test_live_at_peak_replays_the_allocators_events():
     assert peak == 120
     site = f"test_benchmarks.py:1: {open(__file__).readline().strip()[:120]}"
     assert sorted(blocks) == [(30, "(torch internals)", 2), (40, site, 3), (100, site, 0)]
+    summary = step_time.peak_summary([(2**20 * size, where, i) for size, where, i in blocks])
+    assert summary["sites"] == {site: dict(gib=140 / 2**10, blocks=2), "(torch internals)": dict(gib=30 / 2**10, blocks=1)}
+    assert summary["blocks_by_mib"] == {"100.000": 1, "40.000": 1, "30.000": 1}
+    assert [b["event"] for b in summary["last_allocated"]] == [0, 2, 3]
+    row = {**_row("SimpleFSDP compiled", 1.0, 1.0, [1.0]),
+           "memory_at_peak": dict(before_gib=1.0, step_peak_gib=0.5, events=7, **summary)}
+    text = step_time.markdown([dict(environment="GPU", command="cmd", warmup=1, steps=2, rows=[row])])
+    assert f"0.500 GiB more at its peak, reached at `{site}`" in text
 
 
 def test_grouped_offsets_pad_each_group():
