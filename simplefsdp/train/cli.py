@@ -80,6 +80,9 @@ def train_step(runner, optimizer, batch, *, params, dp_size: int, max_norm: floa
     tokens, labels = batch
     out = runner(tokens)
     loss = loss_fn(getattr(out, "logits", out), labels)  # an HF model returns a ModelOutput
+    # the logits ([tokens, vocab], 1 GB in bf16 for gpu_dense) live on only where the loss saved
+    # them for its backward, which runs first: the blocks' backward runs without them
+    del out
     loss.backward()
     mark("forward+backward")
     norm = clipped_step(optimizer, params, max_norm, mark, squares)

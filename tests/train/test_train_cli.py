@@ -406,6 +406,26 @@ def test_the_loss_is_compiled_with_the_model_on_a_gpu():
     assert train.loss_function(compiled_cfg, "cuda").target is cross_entropy_loss
 
 
+def test_the_logits_are_freed_before_the_models_backward():
+    import weakref
+
+    import torch
+
+    model = torch.nn.Sequential(torch.nn.Embedding(16, 8), torch.nn.Linear(8, 16))
+    alive = []
+
+    def loss_fn(logits, labels):  # its backward saves no logits, so nothing should hold them
+        ref = weakref.ref(logits)
+        loss = logits.sum()
+        loss.register_hook(lambda grad: alive.append(ref() is not None))  # runs as backward starts
+        return loss
+
+    tokens = torch.randint(0, 16, (2, 4))
+    train.train_step(model, torch.optim.AdamW(model.parameters()), (tokens, tokens), params=list(model.parameters()),
+                     dp_size=1, loss_fn=loss_fn)
+    assert alive == [False]
+
+
 @pytest.mark.parametrize("overrides, tracked", [
     ([("training.max_norm", "1.0")], True),
     ([("training.max_norm", "1.0"), ("training.norm_in_backward", "false")], False),
