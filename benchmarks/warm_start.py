@@ -36,8 +36,25 @@ COUNTERS = ("autograd_cache_hit", "autograd_cache_miss", "autograd_cache_bypass"
             "fxgraph_cache_miss", "fxgraph_cache_bypass")
 
 
-def child(config: str, overrides: list[str]) -> dict:
-    """Build and run one step here; the first step's seconds and the cache counters."""
+PROFILED_FUNCTIONS = 25  # with --profile: the functions with the most cumulative time in the first step
+
+
+def _profiled(call):
+    """Run ``call()`` under cProfile; the functions with the most cumulative seconds in it, as
+    ``[seconds, "file:line(function)"]``."""
+    import cProfile
+    import pstats
+
+    profiler = cProfile.Profile()
+    profiler.runcall(call)
+    stats = pstats.Stats(profiler).stats  # (file, line, function) -> (calls, ..., total, cumulative, callers)
+    ranked = sorted(stats.items(), key=lambda kv: -kv[1][3])[:PROFILED_FUNCTIONS]
+    return [[round(v[3], 3), f"{os.path.basename(f)}:{line}({fn})"] for (f, line, fn), v in ranked]
+
+
+def child(config: str, overrides: list[str], profile: bool = False) -> dict:
+    """Build and run one step here; the first step's seconds and the cache counters (with
+    ``profile``, also where the first step spent its host time)."""
     import torch
     from torch._dynamo.utils import counters
 
@@ -57,30 +74,37 @@ def child(config: str, overrides: list[str]) -> dict:
     dp_rank, dp_size = data_parallel_rank(cfg.parallel.tp)
     batch = token_stream(t.dataset, cfg.model_config().vocab_size, t.global_batch, t.seq_len, t.seed).batch(0)
     batch = tuple(x.to(device) for x in rank_slice(batch, dp_rank, dp_size))
+    def first_step():
+        train_step(runner, optimizer, batch, params=list(model.parameters()), dp_size=dp_size, max_norm=t.max_norm,
+                   loss_fn=loss_function(cfg, device.type))
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+
     start = time.perf_counter()
-    train_step(runner, optimizer, batch, params=list(model.parameters()), dp_size=dp_size, max_norm=t.max_norm,
-               loss_fn=loss_function(cfg, device.type))
-    if device.type == "cuda":
-        torch.cuda.synchronize()
+    where = _profiled(first_step) if profile else first_step()
     seconds = time.perf_counter() - start
     seen = {**counters["aot_autograd"], **counters["inductor"]}
     mine = {"first_step_s": seconds, **{name: seen.get(name, 0) for name in COUNTERS},
             "graph": getattr(runner, "origin", None) or "traced"}
     ranks = [None] * world
     dist.all_gather_object(ranks, mine)
-    return {k: max(r[k] for r in ranks) if k == "first_step_s" else ",".join(sorted({r[k] for r in ranks}))
-            if k == "graph" else sum(r[k] for r in ranks) for k in mine}
+    result = {k: max(r[k] for r in ranks) if k == "first_step_s" else ",".join(sorted({r[k] for r in ranks}))
+              if k == "graph" else sum(r[k] for r in ranks) for k in mine}
+    return {**result, "profile_rank0": where} if profile else result
 
 
-def run_twice(config: str, overrides: list[str], ranks: int = 1) -> list[dict]:
-    """A cold and a warm child (a process, or ``ranks`` CPU ranks) on one fresh cache dir."""
+def run_twice(config: str, overrides: list[str], ranks: int = 1, profile: bool = False) -> list[dict]:
+    """A cold and a warm child (a process, or ``ranks`` CPU ranks) on one fresh cache dir; with
+    ``profile`` the warm child profiles its first step."""
     env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=tempfile.mkdtemp(prefix="warm-start-cache-"))
     env["PYTHONPATH"] = os.pathsep.join(p for p in (ROOT, os.path.join(ROOT, "benchmarks"), env.get("PYTHONPATH")) if p)
     rows = []
     for run in ("cold", "warm"):
         begin = time.perf_counter()
         launcher = [] if ranks == 1 else ["-m", "torch.distributed.run", "--nproc-per-node", str(ranks), "--master-port", "29518"]
-        out = subprocess.run([sys.executable, *launcher, __file__, "--child", config, *sum((["--set", kv] for kv in overrides), [])],
+        flags = ["--profile"] if profile and run == "warm" else []
+        out = subprocess.run([sys.executable, *launcher, __file__, "--child", config, *flags,
+                              *sum((["--set", kv] for kv in overrides), [])],
                              env=env, capture_output=True, text=True, check=False)
         if out.returncode:
             raise RuntimeError(f"{run} run of {config} failed:\n{out.stderr[-3000:]}")
@@ -105,11 +129,13 @@ def main() -> None:
     p.add_argument("--models", default="moe", help="comma-separated: step_time's names (dense, moe, hf_moe) or config paths")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override (repeatable)")
     p.add_argument("--ranks", type=int, default=1, help="CPU gloo ranks per child (torch.distributed.run); 1: one process")
+    p.add_argument("--profile", action="store_true",
+                   help="profile the warm child's first step (cProfile, rank 0): the functions with the most time")
     p.add_argument("--out", help="results JSON")
     p.add_argument("--child", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.child:
-        result = child(args.child, args.set)
+        result = child(args.child, args.set, args.profile)
         if int(os.environ.get("RANK", "0")) == 0:
             print(json.dumps(result))
         return
@@ -117,8 +143,13 @@ def main() -> None:
 
     rows = []
     for name in args.models.split(","):
-        rows += run_twice(os.path.join(ROOT, CONFIGS[name]) if name in CONFIGS else os.path.abspath(name), args.set, args.ranks)
+        rows += run_twice(os.path.join(ROOT, CONFIGS[name]) if name in CONFIGS else os.path.abspath(name), args.set,
+                          args.ranks, args.profile)
     text = table(rows)
+    for r in rows:
+        if "profile_rank0" in r:
+            text += f"\n\nWarm first step of {os.path.basename(r['config'])}, rank 0, cumulative seconds (cProfile):\n"
+            text += "\n".join(f"{seconds:8.3f}  {where}" for seconds, where in r["profile_rank0"])
     print(text)
     if args.out:
         from report import command_line, environment

@@ -27,7 +27,8 @@ gives it back in another process without tracing. :func:`precompile` wraps that:
   them around it.
 * **Kernels.** The file holds Inductor's generated code, not its compiled kernels: a process on
   a fresh ``TORCHINDUCTOR_CACHE_DIR`` (and Triton cache) compiles those again on load. Same
-  machine, same cache: nothing is compiled.
+  machine, same cache: nothing is compiled, because the load runs under the compile's
+  ``options`` (the kernels' cache keys hold them: scalar C++ kernels are another build).
 
 The numerics are those of ``torch.compile(model, fullgraph=True, options=options)``: the same
 graphs, passes and kernels (``tests/core/test_precompile.py`` compares gradients bitwise).
@@ -153,7 +154,10 @@ class Precompiled:
 
     def _load(self, path: str):
         try:
-            with open(path, "rb") as f:
+            # loading builds the generated code's kernels, or finds them in the cache, by keys
+            # that hold Inductor's settings: those of the compile (``cpp.simdlen`` for CPU jobs'
+            # scalar kernels), or it builds other kernels than the ones the compile built
+            with open(path, "rb") as f, torch._inductor.config.patch(self.options or {}):
                 fn = torch.compiler.load_compiled_function(f)
         except Exception as e:  # noqa: BLE001 - another torch, another GPU, a truncated file: compile again
             log.warning("precompile: cannot load %s (%s: %s); compiling again", path, type(e).__name__, e)
