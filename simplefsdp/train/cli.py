@@ -44,7 +44,7 @@ def kernel_options(cfg: JobConfig, device_type: str) -> dict:
     scalar C++ kernels (a SIMD width of 1 matches no vector ISA, so Inductor picks none). gcc
     compiles them in less time, and a step runs at about the same speed or a little slower: the
     README's debug MoE job on 2 cores reached its first step in 51-54 s instead of 78 s (with
-    the probe :func:`_rank_main` skips; RESULTS.md, "The README's main job: scalar CPU kernels").
+    the probe :func:`configure_rank_process` skips; RESULTS.md, "The README's main job: scalar CPU kernels").
     Set per compile, not in Inductor's global config. GPU jobs: none."""
     return {"cpp.simdlen": 1} if device_type == "cpu" and not cfg.training.cpu_simd else {}
 
@@ -262,12 +262,19 @@ def run(cfg: JobConfig, start_step: int) -> list[float]:
     return losses
 
 
-def _rank_main(cfg: JobConfig, start_step: int, trace_dir: str | None) -> list[float]:
+def configure_rank_process(cfg: JobConfig) -> None:
+    """Settings for a process that runs one rank of the job (the process group is up).
+
+    A CPU job's compiles are all scalar (:func:`kernel_options`), and so are the loads of its
+    precompiled model: Inductor's probe of the vector ISAs (a gcc build of a test program per
+    ISA, about 9 s on a cold cache, and a process per ISA loading it, 1.5 s on a warm one) has
+    nothing to decide, so it is skipped for the job's processes."""
     if dist.get_backend() == "gloo" and not cfg.training.cpu_simd:
-        # A process of a CPU job, whose compiles are all scalar (kernel_options): Inductor's probe
-        # of the vector ISAs (a gcc build of a test program per ISA, about 9 s on a cold cache)
-        # has nothing to decide, so it is skipped for the job's processes.
         torch._inductor.config.cpp.vec_isa_ok = False
+
+
+def _rank_main(cfg: JobConfig, start_step: int, trace_dir: str | None) -> list[float]:
+    configure_rank_process(cfg)
     if trace_dir is None:
         return run(cfg, start_step)
     with trace(trace_dir) as tr:
