@@ -74,6 +74,7 @@ def child(config: str, overrides: list[str], profile: bool = False) -> dict:
     dp_rank, dp_size = data_parallel_rank(cfg.parallel.tp)
     batch = token_stream(t.dataset, cfg.model_config().vocab_size, t.global_batch, t.seq_len, t.seed).batch(0)
     batch = tuple(x.to(device) for x in rank_slice(batch, dp_rank, dp_size))
+
     def first_step():
         train_step(runner, optimizer, batch, params=list(model.parameters()), dp_size=dp_size, max_norm=t.max_norm,
                    loss_fn=loss_function(cfg, device.type))

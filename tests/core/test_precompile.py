@@ -145,9 +145,10 @@ def test_a_precompiled_function_loads_and_computes_alike(tmp_path):
 
 def test_a_precompiled_function_loads_the_kernels_its_options_compiled(tmp_path, monkeypatch):
     """Loading applies the compile's options, so it finds the C++ kernels they built instead of
-    building others. The CLI's CPU jobs compile with ``cpp.simdlen`` 1 (scalar kernels): their
-    loads built vector kernels, and a warm first step of the debug MoE took 15.7 s instead of 3.5
-    s. Here an option that changes gcc's flags as that one does, but needs no ISA probe."""
+    building others. CPU jobs compile with ``cpp.simdlen`` 1 (scalar kernels); a process that
+    probes the vector ISAs (the warm-start benchmark's did) loaded them under vector kernels' keys
+    and built those: a warm first step of the debug MoE took 15.7 s instead of 3.5 s. Here an
+    option that changes gcc's flags as that one does, but needs no ISA probe."""
     from torch._inductor.runtime.cache_dir_utils import cache_dir
 
     def kernels() -> set:
