@@ -32,6 +32,7 @@ that per parallel layout); rank 0 reports, memory is the largest peak over ranks
 from __future__ import annotations
 
 import argparse
+import collections
 import gc
 import json
 import os
@@ -257,11 +258,10 @@ def peak_summary(blocks: list[tuple[int, str, int]]) -> dict:
     """What :func:`live_at_peak`'s blocks show: the allocation sites with the most bytes, the
     blocks by size (MiB: count), and the last blocks allocated before the peak (where it is)."""
     sites: dict[str, list[int]] = {}
-    sizes: dict[str, int] = {}
     for size, site, _ in blocks:
         sites.setdefault(site, [0, 0])[0] += size
         sites[site][1] += 1
-        sizes[f"{size / 2**20:.3f}"] = sizes.get(f"{size / 2**20:.3f}", 0) + 1
+    sizes = collections.Counter(f"{size / 2**20:.3f}" for size, _, _ in blocks)
     ranked = sorted(sites.items(), key=lambda kv: -kv[1][0])[:PEAK_ALLOCATION_SITES]
     last = sorted(blocks, key=lambda b: b[2])[-PEAK_LAST_BLOCKS:]
     return dict(sites={site: dict(gib=b / 2**30, blocks=n) for site, (b, n) in ranked},

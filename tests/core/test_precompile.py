@@ -143,29 +143,30 @@ def test_a_precompiled_function_loads_and_computes_alike(tmp_path):
     assert torch.equal(outputs[0][1], outputs[1][1]) and torch.equal(outputs[0][2], outputs[1][2])
 
 
-def test_a_precompiled_function_loads_the_kernels_its_options_compiled(tmp_path, monkeypatch):
+def test_a_precompiled_function_loads_the_kernels_its_options_compiled(tmp_path):
     """Loading applies the compile's options, so it finds the C++ kernels they built instead of
     building others. CPU jobs compile with ``cpp.simdlen`` 1 (scalar kernels); a process that
     probes the vector ISAs (the warm-start benchmark's did) loaded them under vector kernels' keys
     and built those: a warm first step of the debug MoE took 15.7 s instead of 3.5 s. Here an
     option that changes gcc's flags as that one does, but needs no ISA probe."""
-    from torch._inductor.runtime.cache_dir_utils import cache_dir
+    from torch._inductor.runtime.cache_dir_utils import cache_dir, temporary_cache_dir
 
     def kernels() -> set:
         return {os.path.join(d, f) for d, _, files in os.walk(cache_dir()) for f in files if f.endswith(".so")}
 
-    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "cache"))  # no kernel from an earlier run
     options = {"cpp.enable_unsafe_math_opt_flag": True}
     logits = torch.randn(2, 8, 16, requires_grad=True)
     labels = torch.randint(0, 16, (2, 8))
-    first = precompile(cross_entropy_loss, str(tmp_path), options=options)
-    expected = first(logits, labels)
-    built = kernels()
-    torch._inductor.utils.clear_caches()  # the kernels loaded in memory, as a new process starts
-    second = precompile(cross_entropy_loss, str(tmp_path), options=options)
-    loss = second(logits, labels)
+    with temporary_cache_dir(str(tmp_path / "cache")):  # no kernel from an earlier run, in memory or on disk
+        first = precompile(cross_entropy_loss, str(tmp_path), options=options)
+        expected = first(logits, labels)
+        built = kernels()
+        torch._inductor.utils.clear_caches()  # the kernels loaded in memory, as a new process starts
+        second = precompile(cross_entropy_loss, str(tmp_path), options=options)
+        loss = second(logits, labels)
+        assert kernels() == built
     assert (first.origin, second.origin) == ("compiled", "loaded")
-    assert kernels() == built and torch.equal(loss, expected)
+    assert torch.equal(loss, expected)
     assert torch._inductor.config.cpp.enable_unsafe_math_opt_flag is False  # set for the load only
 
 
