@@ -10,7 +10,7 @@ times with CUDA events:
   down ``[rows, hidden] @ [E, hidden, dim]``) and forward + backward (input and weight
   gradients, three times the forward's FLOPs), with balanced groups and with the group sizes a
   random top-k router draws;
-* the shared expert's one-group grouped matmul.
+* the shared expert's one-group grouped matmul, and the same product as a dense ``torch.mm``.
 
     python benchmarks/moe_kernels.py [--out benchmarks/results/moe_kernels_h200.json] [--results-md]
     python benchmarks/moe_kernels.py --report benchmarks/results/moe_kernels_h200.json   # RESULTS.md section
@@ -58,23 +58,30 @@ def routed_counts(tokens: int, experts: int, top_k: int, seed: int = 0) -> torch
     return torch.bincount(chosen.flatten(), minlength=experts)
 
 
+def timed_rows(name: str, shape: str, op, x: torch.Tensor, w: torch.Tensor, flops: int) -> list[dict]:
+    """``op(x, w)`` timed forward, and forward + backward (input and weight gradients, three
+    times the forward's FLOPs)."""
+    grad = torch.randn_like(op(x, w))
+    fwd = time_op(lambda: op(x, w))
+    both = time_op(lambda: torch.autograd.grad(op(x, w), (x, w), grad))
+    return [dict(kernel=f"{name} forward", shape=shape, seconds=fwd, tflops=flops / fwd / 1e12),
+            dict(kernel=f"{name} forward + backward", shape=shape, seconds=both, tflops=3 * flops / both / 1e12)]
+
+
 def grouped_rows(name: str, rows: int, k: int, n: int, offs: torch.Tensor, groups: int) -> list[dict]:
     dev = "cuda"
     x = torch.randn(int(offs[-1]), k, device=dev, dtype=torch.bfloat16, requires_grad=True)
     w = torch.randn(groups, k, n, device=dev, dtype=torch.bfloat16, requires_grad=True)
     offs = offs.to(dev)
     flops = 2 * rows * k * n  # padding rows are not useful work
-    y = torch._grouped_mm(x, w, offs=offs)
-    grad = torch.randn_like(y)
+    return timed_rows(name, f"[{rows}, {k}] @ [{groups}, {k}, {n}]", lambda a, b: torch._grouped_mm(a, b, offs=offs),
+                      x, w, flops)
 
-    def fwd_bwd():
-        torch.autograd.grad(torch._grouped_mm(x, w, offs=offs), (x, w), grad)
 
-    fwd = time_op(lambda: torch._grouped_mm(x, w, offs=offs))
-    both = time_op(fwd_bwd)
-    shape = f"[{rows}, {k}] @ [{groups}, {k}, {n}]"
-    return [dict(kernel=f"{name} forward", shape=shape, seconds=fwd, tflops=flops / fwd / 1e12),
-            dict(kernel=f"{name} forward + backward", shape=shape, seconds=both, tflops=3 * flops / both / 1e12)]
+def mm_rows(name: str, m: int, k: int, n: int) -> list[dict]:
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    w = torch.randn(k, n, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    return timed_rows(name, f"[{m}, {k}] @ [{k}, {n}]", torch.mm, x, w, 2 * m * k * n)
 
 
 def dense_row(name: str, m: int, k: int, n: int) -> dict:
@@ -99,6 +106,7 @@ def measure(config: str) -> list[dict]:
         out += grouped_rows(f"down, {label}", rows, m.expert_dim, m.dim, offs, m.num_experts)
     shared = m.expert_dim * m.num_shared_experts
     out += grouped_rows("shared gate/up", tokens, m.dim, shared, torch.tensor([tokens]).int(), 1)
+    out += mm_rows("shared gate/up as a dense mm", tokens, m.dim, shared)
     ceiling = out[0]["tflops"]
     for r in out:
         r["of_ceiling"] = r["tflops"] / ceiling
