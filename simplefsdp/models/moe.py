@@ -14,8 +14,8 @@ The first ``n_dense_layers`` blocks use a dense SwiGLU MLP; the rest use :class:
   tokens into the dispatcher's ``chunks`` and sorts each chunk by expert, so one chunk's experts
   can run while another chunk's tokens travel. Each token's result does not depend on the
   chunking; the expert weights' gradients are summed per chunk, then over chunks.
-* shared experts: the same SwiGLU as a grouped matmul with a single group, on every token,
-  replicated across expert-parallel ranks.
+* shared experts: the same SwiGLU as dense matmuls, on every token, replicated across
+  expert-parallel ranks.
 """
 
 from __future__ import annotations
@@ -125,10 +125,12 @@ class GroupedExperts(nn.Module):
 
 
 class SharedExperts(nn.Module):
-    """The always-on experts fused into one SwiGLU, run as a one-group grouped matmul.
+    """The always-on experts fused into one SwiGLU on every token, as dense matmuls.
 
-    The weights are 2-D (no group dim): FSDP shards dim 0, and a group dim of size 1 would be
-    padded to the shard degree, gathering and reducing that many times the bytes.
+    The weights are stored as the routed experts' are (``w1, w3: [dim, hidden]``, ``w2: [hidden,
+    dim]``), without their group dim: FSDP shards dim 0, and a group dim of size 1 would be
+    padded to the shard degree, gathering and reducing that many times the bytes. Dense matmuls
+    run them faster than a one-group grouped matmul does (``benchmarks/moe_kernels.py``).
     """
 
     def __init__(self, dim: int, hidden: int):
@@ -142,8 +144,7 @@ class SharedExperts(nn.Module):
         _init_stacked(self.w1, self.w3, self.w2)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        counts = torch.full((1,), x.shape[0], dtype=torch.int32, device=x.device)
-        return grouped_swiglu(x, self.w1.unsqueeze(0), self.w2.unsqueeze(0), self.w3.unsqueeze(0), counts)
+        return (F.silu(x @ self.w1) * (x @ self.w3)) @ self.w2
 
 
 class MoE(nn.Module):
@@ -162,10 +163,13 @@ class MoE(nn.Module):
         weights, experts = self.router(x)
         routed = by_expert(self.experts, x, experts, self.experts.num_experts, self.experts.chunks,
                            self.experts.row_alignment(x))
-        out = (routed.view(-1, self.top_k, shape[-1]) * weights.unsqueeze(-1).to(x.dtype)).sum(1)
+        out = (routed.view(-1, self.top_k, shape[-1]) * weights.unsqueeze(-1).to(x.dtype)).sum(1).view(shape)
         if self.shared_experts is not None:
-            out = out + self.shared_experts(x)
-        return out.view(shape)
+            # added in the input's shape: Inductor fuses a 2-D add into the shared experts' last
+            # matmul (an addmm on CPU), which then waits for the combined rows, so the all-to-all
+            # overlap could no longer run that matmul under the combine
+            out = out + self.shared_experts(x).view(shape)
+        return out
 
 
 def _moe_or_dense_mlp(cfg: MoEConfig, layer_id: int) -> nn.Module:

@@ -17,7 +17,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from simplefsdp import simple_fsdp
 from simplefsdp.baselines.fsdp2 import ShardPlacementResult, fsdp2
 from simplefsdp.models.llama import cross_entropy_loss
-from simplefsdp.models.moe import MoEConfig
+from simplefsdp.models.moe import MoEConfig, SharedExperts, grouped_swiglu
 from simplefsdp.train.launch import run_ranks
 from tests import training as T
 from tests.graphs import captured_graphs
@@ -154,6 +154,23 @@ def _body(group: str):
             if _fsdp2_key(name, form) not in out:
                 out[_fsdp2_key(name, form)] = _fsdp2_run(cfg, init_device_mesh("cpu", shape, mesh_dim_names=names), in_blocks)
     return out
+
+
+def test_shared_experts_compute_the_one_group_grouped_swiglu():
+    """The shared experts' dense matmuls compute the SwiGLU of a one-group grouped matmul (their
+    previous form): the same output and gradients in fp32."""
+    torch.manual_seed(0)
+    shared = SharedExperts(16, 24)
+    x = torch.randn(2, 10, 16, requires_grad=True)
+    out = shared(x.view(-1, 16))
+    grad_out = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (x, shared.w1, shared.w3, shared.w2), grad_out)
+    ref_x, w1, w3, w2 = (t.detach().requires_grad_() for t in (x, shared.w1, shared.w3, shared.w2))
+    ref = grouped_swiglu(ref_x.view(-1, 16), w1[None], w2[None], w3[None], torch.tensor([20], dtype=torch.int32))
+    ref_grads = torch.autograd.grad(ref, (ref_x, w1, w3, w2), grad_out)
+    # values up to about 16; the two sum their products in other orders (fp32 rounding: about 2e-6)
+    for ours, theirs in zip((out, *grads), (ref, *ref_grads), strict=True):
+        torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-5)
 
 
 @pytest.mark.ranks

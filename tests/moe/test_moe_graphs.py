@@ -61,10 +61,12 @@ def _moe_layer_graphs(shape, names, ep, passes=(), ep_chunks=None) -> tuple[list
 
 
 def _assert_experts_run_between_dispatch_and_combine(forward: list[str], chunks: int) -> None:
-    """Three routed-expert matmuls per chunk (w1, w3, w2), then three shared; with ep, each chunk's
-    run after its dispatch all-to-all and before its combine starts."""
+    """Three routed-expert grouped matmuls per chunk (w1, w3, w2); dense ones for the router and
+    the three shared-expert weights. With ep, each chunk's run after its dispatch all-to-all and
+    before its combine starts."""
     experts = positions(forward, ("bmm ", "_grouped_mm "))
-    assert len(experts) == 3 * chunks + 3, forward
+    assert len(experts) == 3 * chunks, forward
+    assert len(positions(forward, "mm ")) == 1 + 3, forward
     if chunks > 1 or "all_to_all_single[tokens] float32" in forward:
         all_to_alls = positions(forward, "all_to_all_single[tokens] float32")
         dispatches, combines = all_to_alls[:chunks], all_to_alls[chunks:]
@@ -86,8 +88,11 @@ all_gather_into_tensor[dp_shard] float32
 all_gather_into_tensor[dp_shard] float32
 all_gather_into_tensor[dp_shard] float32""")
     tc.assertExpectedInline(collectives(backward), """\
+all_gather_into_tensor[dp_shard] float32
 reduce_scatter_tensor[dp_shard] avg float32
+all_gather_into_tensor[dp_shard] float32
 reduce_scatter_tensor[dp_shard] avg float32
+all_gather_into_tensor[dp_shard] float32
 reduce_scatter_tensor[dp_shard] avg float32
 reduce_scatter_tensor[dp_shard] avg float32
 reduce_scatter_tensor[dp_shard] avg float32
@@ -112,8 +117,11 @@ all_gather_into_tensor[dp_shard] float32
 all_gather_into_tensor[dp_shard] float32
 all_gather_into_tensor[dp_shard] float32""")
     tc.assertExpectedInline(collectives(backward), """\
+all_gather_into_tensor[dp_shard] float32
 reduce_scatter_tensor[dp_shard] avg float32
+all_gather_into_tensor[dp_shard] float32
 reduce_scatter_tensor[dp_shard] avg float32
+all_gather_into_tensor[dp_shard] float32
 reduce_scatter_tensor[dp_shard] avg float32
 all_to_all_single[tokens] float32
 all_to_all_single[tokens] float32
@@ -146,8 +154,11 @@ all_gather_into_tensor[dp_shard] float32
 all_gather_into_tensor[dp_shard] float32
 all_gather_into_tensor[dp_shard] float32""")
     tc.assertExpectedInline(collectives(backward), """\
+all_gather_into_tensor[dp_shard] float32
 reduce_scatter_tensor[dp_shard] avg float32
+all_gather_into_tensor[dp_shard] float32
 reduce_scatter_tensor[dp_shard] avg float32
+all_gather_into_tensor[dp_shard] float32
 reduce_scatter_tensor[dp_shard] avg float32
 all_to_all_single[tokens] float32
 all_to_all_single[tokens] float32
@@ -181,10 +192,13 @@ all_gather_into_tensor[dp_shard] float32
 all_gather_into_tensor[dp_shard] float32
 all_gather_into_tensor[dp_shard] float32""")
     tc.assertExpectedInline(collectives(backward), """\
+all_gather_into_tensor[dp_shard] float32
 reduce_scatter_tensor[dp_shard] avg float32
 all_reduce[dp_replicate] avg float32
+all_gather_into_tensor[dp_shard] float32
 reduce_scatter_tensor[dp_shard] avg float32
 all_reduce[dp_replicate] avg float32
+all_gather_into_tensor[dp_shard] float32
 reduce_scatter_tensor[dp_shard] avg float32
 all_reduce[dp_replicate] avg float32
 all_to_all_single[tokens] float32

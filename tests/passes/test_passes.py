@@ -307,6 +307,8 @@ wait all_gather_into_tensor_coalesced[dp_shard] x5""")
     tc.assertExpectedInline(_collectives(backward), """\
 all_gather_into_tensor_coalesced[dp_shard] float32
 wait all_gather_into_tensor_coalesced[dp_shard] x2
+all_gather_into_tensor_coalesced[dp_shard] float32
+wait all_gather_into_tensor_coalesced[dp_shard] x3
 all_to_all_single[tokens] float32
 wait all_to_all_single[tokens]
 all_to_all_single[tokens] float32
@@ -317,7 +319,6 @@ all_to_all_single[tokens] float32
 wait all_to_all_single[tokens]
 reduce_scatter_tensor[edp] sum float32
 wait reduce_scatter_tensor[edp]
-all_gather_into_tensor_coalesced[dp_shard] float32
 wait all_gather_into_tensor_coalesced[dp_shard] x7
 reduce_scatter_tensor[dp_shard] avg float32
 wait reduce_scatter_tensor[dp_shard]
@@ -383,10 +384,10 @@ def test_default_passes_change_no_bit(run):
 
 
 def test_a2a_overlap_moe_layer(tc):
-    """FSDP4 x EP2, one token chunk: the shared experts' all-gathers and first two matmuls run between the dispatch
-    all-to-all and its wait, their last matmul between the combine and its wait; in backward
-    the shared experts' gradient matmuls (and reduce-scatters) sit under the two gradient
-    all-to-alls. Before the pass every all-to-all is waited on at once (see test_moe_graphs)."""
+    """FSDP4 x EP2, one token chunk: the shared experts' first two all-gathers and matmuls run between the dispatch
+    all-to-all and its wait, their last between the combine and its wait; in backward the shared
+    experts' gradient matmuls (with their weights' re-gathers and reduce-scatters) sit under the
+    two gradient all-to-alls. Before the pass every all-to-all is waited on at once (see test_moe_graphs)."""
     from tests.moe.test_moe_graphs import _moe_layer_graphs
 
     forward, backward = (
@@ -408,33 +409,42 @@ wait ?
 all_to_all_single[tokens] float32
 all_gather_into_tensor[dp_shard] float32
 wait all_gather_into_tensor[dp_shard]
+mm float32
 all_gather_into_tensor[dp_shard] float32
 wait all_gather_into_tensor[dp_shard]
-all_gather_into_tensor[dp_shard] float32
-wait all_gather_into_tensor[dp_shard]
-bmm float32
-bmm float32
+mm float32
 wait all_to_all_single[tokens]
 bmm float32
 bmm float32
 bmm float32
 all_to_all_single[tokens] float32
-bmm float32
+all_gather_into_tensor[dp_shard] float32
+wait all_gather_into_tensor[dp_shard]
+mm float32
 wait all_to_all_single[tokens]""")
     tc.assertExpectedInline(backward, """\
 all_to_all_single[tokens] float32
-bmm float32
-bmm float32
+mm float32
+all_gather_into_tensor[dp_shard] float32
+wait all_gather_into_tensor[dp_shard]
+mm float32
+reduce_scatter_tensor[dp_shard] avg float32
+wait reduce_scatter_tensor[dp_shard]
+mm float32
 wait all_to_all_single[tokens]
 bmm float32
 bmm float32
 bmm float32
 all_to_all_single[tokens] float32
-bmm float32
+all_gather_into_tensor[dp_shard] float32
+wait all_gather_into_tensor[dp_shard]
+mm float32
 reduce_scatter_tensor[dp_shard] avg float32
 wait reduce_scatter_tensor[dp_shard]
-reduce_scatter_tensor[dp_shard] avg float32
-wait reduce_scatter_tensor[dp_shard]
+mm float32
+all_gather_into_tensor[dp_shard] float32
+wait all_gather_into_tensor[dp_shard]
+addmm float32
 reduce_scatter_tensor[dp_shard] avg float32
 wait reduce_scatter_tensor[dp_shard]
 wait all_to_all_single[tokens]
