@@ -17,7 +17,9 @@ the runs with and without passes are equal bit for bit. With ``--profile`` the c
 and eager FSDP2 runs are profiled for a few more steps and their GPU time split into communication
 (NCCL kernels), copies and compute, with the communication time during which no other kernel ran
 (exposed), and by category (matmul, grouped matmul, attention, routing and permutation, copies,
-optimizer, elementwise and norm: ``kernel_category``, from kernel names).
+optimizer, elementwise and norm: ``kernel_category``, from kernel names). The same profile gives
+the GPU's idle time inside a step (``idle_gaps``: no kernel running, as between a host sync and the
+next launch), with the largest gaps named by the kernels around them.
 
 Run plainly it uses one GPU (or the CPU). There every process group has one rank: collectives are
 local copies, so it measures what the compiler does to compute, memory and launch overhead, not
@@ -66,6 +68,10 @@ REFERENCE = "FSDP2 eager"
 PROFILED = ("SimpleFSDP compiled", "FSDP2 eager", "FSDP2 compiled per block")
 TOP_KERNELS = 12  # the kernels with the most GPU time, kept per profiled run
 TOP_PER_CATEGORY = 6  # and each category's kernels with the most GPU time
+TOP_GAPS = 12  # and the idle gaps with the most time, by the kernels around them
+SHOWN_GAPS = 5  # of which the report shows this many per run
+GAP_NAME = 80  # characters of a kernel's name in a gap's name
+STEP_ANNOTATION = "profiled step"  # the host range of each profiled step
 # kernel-name fragments (lower case) by category, first match wins; the rest is elementwise and norm
 # work (Inductor's fused pointwise and reduction kernels, torch's elementwise kernels)
 KERNEL_CATEGORIES = (
@@ -149,15 +155,42 @@ def exposed_time(comm, compute) -> float:
     return total
 
 
+def idle_gaps(kernels, step_starts) -> tuple[float, dict[str, float]]:
+    """The time no kernel runs inside the steps, from kernels' ``(start, end, name)`` and the host
+    times at which each step began, and that time by gap, named ``"before -> after"`` after the
+    kernels around it (summed over gaps of the same name). A gap that holds a step's start counts
+    from that start ("step start -> first kernel"): before it the host was between steps, which the
+    step timer does not count."""
+    total, by_name = 0.0, collections.Counter()
+    starts = sorted(step_starts)
+    if not starts:
+        return total, dict(by_name)
+    busy_until, before = starts[0], "step start"
+    for start, end, name in sorted(k for k in kernels if k[1] > starts[0]):
+        begins = [s for s in starts if busy_until <= s < start]
+        if begins:  # a step began in this gap: only its part after that start is the step's
+            busy_until, before = begins[-1], "step start"
+        if start > busy_until:
+            total += start - busy_until
+            by_name[f"{before[:GAP_NAME]} -> {name[:GAP_NAME]}"] += start - busy_until
+        if end > busy_until:
+            busy_until, before = end, name
+    return total, dict(by_name.most_common())
+
+
 def gpu_time_split(prof) -> dict[str, float]:
     """Seconds of GPU kernel time in a profile: NCCL communication, copies/memsets, the rest, and
-    the communication time during which no other kernel ran (exposed)."""
+    the communication time during which no other kernel ran (exposed), and the idle time inside
+    the steps (``idle_gaps``)."""
     split = {"comm": 0.0, "copy": 0.0, "compute": 0.0}
     spans = {"comm": [], "other": []}
+    named_spans, step_starts = [], []
     kernels: dict[str, float] = {}
     category_of: dict[str, str] = {}  # kernel name (first 160 characters) -> its full name's category
     categories = dict.fromkeys([c for c, _ in KERNEL_CATEGORIES] + [OTHER_CATEGORY], 0.0)
     for event in prof.events():
+        if event.name == STEP_ANNOTATION and event.device_type == torch.autograd.DeviceType.CPU:
+            step_starts.append(event.time_range.start)
         # kernels only: record_function ranges show up on the device timeline too
         if event.device_type != torch.autograd.DeviceType.CUDA or getattr(event, "is_user_annotation", False):
             continue
@@ -169,7 +202,11 @@ def gpu_time_split(prof) -> dict[str, float]:
         category_of[short] = kernel_category(event.name)
         categories[category_of[short]] += event.device_time / 1e6
         spans["comm" if kind == "comm" else "other"].append((event.time_range.start, event.time_range.end))
+        named_spans.append((event.time_range.start, event.time_range.end, event.name))
     split["exposed_comm"] = exposed_time(spans["comm"], spans["other"]) / 1e6
+    idle, gaps = idle_gaps(named_spans, step_starts)
+    split["idle"] = idle / 1e6
+    split["gaps"] = {name: us / 1e6 for name, us in list(gaps.items())[:TOP_GAPS]}
     ranked = sorted(kernels.items(), key=lambda kv: -kv[1])
     split["kernels"] = dict(ranked[:TOP_KERNELS])
     split["categories"] = categories
@@ -189,7 +226,8 @@ def profile_steps(step, steps: int) -> dict:
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         begin = time.perf_counter()
         for _ in range(steps):
-            step()
+            with torch.profiler.record_function(STEP_ANNOTATION):
+                step()
         torch.cuda.synchronize()
         wall = (time.perf_counter() - begin) / steps
     split = gpu_time_split(prof)
@@ -197,10 +235,11 @@ def profile_steps(step, steps: int) -> dict:
     categories = {name: seconds / steps for name, seconds in split.pop("categories").items()}
     by_category = {c: {name: seconds / steps for name, seconds in top.items()}
                    for c, top in split.pop("category_kernels").items()}
+    gaps = {name: seconds / steps for name, seconds in split.pop("gaps").items()}
     split = {k: v / steps for k, v in split.items()}
     return dict(step_s=wall, **{f"{k}_s": v for k, v in split.items()}, comm_fraction=split["comm"] / wall,
                 exposed_fraction=split["exposed_comm"] / wall, top_kernels_s=kernels, categories_s=categories,
-                top_kernels_by_category_s=by_category)
+                top_kernels_by_category_s=by_category, idle_gaps_s=gaps)
 
 
 TORCH_DIR = os.path.dirname(torch.__file__)
@@ -370,9 +409,10 @@ def markdown(results: list[dict]) -> str:
             out.append("\nGPU time per step from the torch profiler (NCCL kernels = communication):\n")
             out.append(table(
                 ["model", "AC", "run", "step ms", "NCCL ms", "copy/memset ms", "other kernels ms", "NCCL % of step",
-                 "exposed NCCL % of step"],
+                 "exposed NCCL % of step", "GPU idle ms"],
                 [[r["model"], r["ac"], r["mode"], 1e3 * p["step_s"], _num(1e3 * p["comm_s"], 2), _num(1e3 * p["copy_s"], 2),
-                  1e3 * p["compute_s"], _num(100 * p["comm_fraction"], 2), _num(100 * p["exposed_fraction"], 2) if "exposed_fraction" in p else None]
+                  1e3 * p["compute_s"], _num(100 * p["comm_fraction"], 2), _num(100 * p["exposed_fraction"], 2) if "exposed_fraction" in p else None,
+                  _num(1e3 * p["idle_s"], 2) if "idle_s" in p else None]
                  for r in profiled for p in [r["profile"]]]))
             by_category = [r for r in profiled if "categories_s" in r["profile"]]
             if by_category:
@@ -382,6 +422,13 @@ def markdown(results: list[dict]) -> str:
                                  [[r["model"], r["ac"], r["mode"], *(_num(1e3 * c[n], 2) for n in names),
                                    _num(1e3 * sum(c.values()), 1)]
                                   for r in by_category for c in [r["profile"]["categories_s"]]]))
+            gapped = [r for r in profiled if r["profile"].get("idle_gaps_s")]
+            if gapped:
+                out.append(f"\nThe largest GPU idle gaps inside a step, by the kernels around them (`idle_gaps`), "
+                           f"ms per step, {SHOWN_GAPS} per run:\n")
+                out.append(table(["model", "AC", "run", "gap", "ms"],
+                                 [[r["model"], r["ac"], r["mode"], f"`{name}`", _num(1e3 * seconds, 2)]
+                                  for r in gapped for name, seconds in list(r["profile"]["idle_gaps_s"].items())[:SHOWN_GAPS]]))
         for r in rows:
             if "memory_at_peak" in r:
                 m = r["memory_at_peak"]

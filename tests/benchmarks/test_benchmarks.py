@@ -231,6 +231,26 @@ def test_exposed_communication_is_what_no_other_kernel_covers():
     assert step_time.exposed_time([], compute) == 0
 
 
+def test_idle_gaps_count_inside_steps_and_name_the_kernels_around_them():
+    # two steps begun on the host at 0 and 100; "a" overlaps "b", so 10..12 is no gap
+    kernels = [(5, 12, "a"), (10, 20, "b"), (26, 40, "c"), (44, 50, "d"), (103, 110, "a"), (110, 120, "b"),
+               (126, 140, "c")]
+    total, gaps = step_time.idle_gaps(kernels, [100, 0])
+    # 0..5 and 100..103 are step starts (50..100 is between the steps), 20..26 and 120..126 b -> c, 40..44 c -> d
+    assert gaps == {"b -> c": 12, "step start -> a": 8, "c -> d": 4}
+    assert total == 24
+    assert list(gaps) == ["b -> c", "step start -> a", "c -> d"]  # largest first
+    # a kernel that began before the first step and still runs leaves no gap; nothing before it counts
+    assert step_time.idle_gaps([(-5, 3, "x"), (4, 6, "y")], [0]) == (1, {"x -> y": 1})
+    assert step_time.idle_gaps(kernels, []) == (0.0, {})
+    profile = dict(step_s=0.2, comm_s=0.0, copy_s=0.0, compute_s=0.19, comm_fraction=0.0, exposed_fraction=0.0,
+                   idle_s=0.004, categories_s={"matmul": 0.19}, idle_gaps_s={"step start -> a": 0.003, "b -> c": 0.001})
+    row = {**_row("SimpleFSDP compiled", 1.0, 1.0, [1.0]), "profile": profile}
+    text = step_time.markdown([dict(environment="GPU", command="cmd", warmup=1, steps=2, rows=[row])])
+    assert "GPU idle ms |" in text and "| 4.00 " in text
+    assert "| `step start -> a` | 3.00 |" in text and "| `b -> c`          | 1.00 |" in text
+
+
 def test_kernel_categories_from_kernel_names():
     """Names as the H200 and H100 profiles showed them fall in the category the profile table reports."""
     names = {
