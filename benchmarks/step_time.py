@@ -10,7 +10,10 @@ fp32 gradient reduction) and each activation-checkpointing setting, it trains
 
 through the training entry point's own ``build`` and ``train_step`` (AdamW, gradient clipping).
 Warm-up steps (the first compiles) are excluded; the median of the timed steps, measured with
-CUDA events, gives tokens/s. It reports the ratio to FSDP2 eager, peak allocated and reserved
+CUDA events, gives tokens/s. The timed steps run back to back, as the CLI runs them (the host
+reads a step's loss later, and copies each batch from pinned memory): each is timed from the end
+of the one before. With ``--sync-each-step`` each waits for its kernels before the next begins,
+as a loop that reads the loss at once does. It reports the ratio to FSDP2 eager, peak allocated and reserved
 memory, MFU (:func:`simplefsdp.train.metrics.flops_per_token` over the bf16 peak), the warm-up's extra
 time (compile time, with Inductor's caches off so every compile is cold) and whether the losses of
 the runs with and without passes are equal bit for bit. With ``--profile`` the compiled SimpleFSDP
@@ -47,7 +50,7 @@ import torch.distributed as dist
 
 from simplefsdp.grad_squares import tracked_grad_squares
 from simplefsdp.train.config import load, validate
-from simplefsdp.train.data import rank_slice, token_stream
+from simplefsdp.train.data import rank_slice, to_device, token_stream
 from simplefsdp.train.metrics import flops_per_token, peak_flops
 from simplefsdp.train.cli import build, loss_function, train_step
 
@@ -97,11 +100,14 @@ def kernel_category(name: str) -> str:
 
 class StepTimer:
     """Times one step, and its phases between :meth:`mark` calls: CUDA events on a GPU, the wall
-    clock elsewhere."""
+    clock elsewhere. With ``wait`` the step's end waits for its kernels (``wall`` then holds them);
+    otherwise :meth:`finish` does, once later steps are queued. Timed ``after`` the step before
+    it, a step runs from that step's end to its own, any idle time between them included."""
 
-    def __init__(self, device: torch.device):
-        self.cuda = device.type == "cuda"
+    def __init__(self, device: torch.device, wait: bool = True, after: StepTimer | None = None):
+        self.cuda, self.wait, self.after = device.type == "cuda", wait, after
         self.marks: list[tuple[str, object]] = []
+        self.seconds = None
 
     def _now(self):
         if not self.cuda:
@@ -119,16 +125,24 @@ class StepTimer:
         return self
 
     def __exit__(self, *exc):
-        end = self._now()
+        self.end = self._now()
+        if self.wait:
+            self.finish()
+        self.wall = time.perf_counter() - self.wall
+
+    def finish(self) -> None:
+        """Wait for the step's end, then set ``seconds`` and ``phases``."""
+        if self.seconds is not None:
+            return
         if self.cuda:
-            end.synchronize()
+            self.end.synchronize()
         elapsed = (lambda a, b: a.elapsed_time(b) / 1e3) if self.cuda else (lambda a, b: b - a)
-        self.seconds = elapsed(self.start, end)
-        self.phases, previous = {}, self.start
+        start = self.start if self.after is None else self.after.end
+        self.seconds = elapsed(start, self.end)
+        self.phases, previous = {}, start
         for phase, event in self.marks:
             self.phases[phase] = elapsed(previous, event)
             previous = event
-        self.wall = time.perf_counter() - self.wall
 
 
 def _union(intervals) -> list[list[float]]:
@@ -309,8 +323,14 @@ def peak_summary(blocks: list[tuple[int, str, int]]) -> dict:
 
 
 def run_one(model_name: str, mode: str, ac: str, *, warmup: int, steps: int, device: torch.device,
-            profile: int, memory: bool = False, overrides: list[tuple[str, str]] = ()) -> dict:
-    """Train ``warmup + steps`` steps of one model in one mode on every rank; rank 0's figures."""
+            profile: int, memory: bool = False, overrides: list[tuple[str, str]] = (),
+            sync_each_step: bool = False) -> dict:
+    """Train ``warmup + steps`` steps of one model in one mode on every rank; rank 0's figures.
+
+    Each warm-up step waits for its kernels (their wall time gives the compile time). The timed
+    steps run back to back, as a training loop that reads each step's loss later does
+    (:func:`simplefsdp.train.cli.train_step`); with ``sync_each_step`` each waits for its kernels
+    before the next starts, as a loop that reads the loss at once does."""
     baseline, compiled, passes, *blocks_once = MODES[mode]
     overrides = [*overrides, ("parallel.activation_checkpoint", ac), ("training.baseline", baseline),
                  ("training.compile", str(compiled)), ("training.passes", str(passes)),
@@ -327,8 +347,9 @@ def run_one(model_name: str, mode: str, ac: str, *, warmup: int, steps: int, dev
     losses, timers = [], []
 
     def step(i: int) -> None:
-        batch = tuple(x.to(device) for x in rank_slice(stream.batch(i), dp_rank, dp_size))
-        with StepTimer(device) as timer:
+        batch = to_device(rank_slice(stream.batch(i), dp_rank, dp_size), device)
+        back_to_back = not sync_each_step and i >= warmup
+        with StepTimer(device, wait=not back_to_back, after=timers[-1] if back_to_back and timers else None) as timer:
             loss, _ = train_step(runner, optimizer, batch, params=params, dp_size=dp_size, max_norm=t.max_norm,
                                  mark=timer.mark, loss_fn=loss_fn, squares=squares)
         losses.append(loss)
@@ -336,6 +357,8 @@ def run_one(model_name: str, mode: str, ac: str, *, warmup: int, steps: int, dev
 
     for i in range(warmup + steps):
         step(i)
+    for timer in timers:
+        timer.finish()
     median = statistics.median(tm.seconds for tm in timers[warmup:])
     phases = {phase: 1e3 * statistics.median(tm.phases[phase] for tm in timers[warmup:]) for phase in timers[-1].phases}
     tokens_per_s = t.global_batch * t.seq_len / median
@@ -345,7 +368,7 @@ def run_one(model_name: str, mode: str, ac: str, *, warmup: int, steps: int, dev
         tokens_per_s=tokens_per_s, step_ms=1e3 * median, phase_ms=phases,
         mfu=tokens_per_s * flops_per_token(cfg.model_config(), t.seq_len) / (world * peak) if peak else None,
         compile_s=sum(tm.wall for tm in timers[:warmup]) - warmup * median if compiled else None,
-        first_step_s=timers[0].wall, losses=list(losses),
+        first_step_s=timers[0].wall, losses=[loss.item() for loss in losses], sync_each_step=sync_each_step,
     )
     if device.type == "cuda":  # the largest over ranks
         peaks = torch.tensor([torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved()], device=device)
@@ -457,6 +480,8 @@ def main() -> None:
     p.add_argument("--profile", type=int, nargs="?", const=3, default=0, help="profile this many extra steps")
     p.add_argument("--memory", action="store_true",
                    help="one more step with the allocator's history: what is live at its peak, by allocation site")
+    p.add_argument("--sync-each-step", action="store_true",
+                   help="each timed step waits for its kernels before the next starts (by default they run back to back)")
     p.add_argument("--deterministic", action="store_true",
                    help="deterministic kernels (torch.use_deterministic_algorithms), for the bitwise loss column")
     p.add_argument("--out", help="results JSON")
@@ -481,7 +506,8 @@ def main() -> None:
         for ac in args.ac.split(","):
             for mode in args.modes.split(","):
                 measure(result, args.out, model_name, mode, ac, warmup=args.warmup, steps=args.steps, device=device,
-                        profile=args.profile, memory=args.memory, overrides=[kv.split("=", 1) for kv in args.set])
+                        profile=args.profile, memory=args.memory, overrides=[kv.split("=", 1) for kv in args.set],
+                        sync_each_step=args.sync_each_step)
     if dist.get_rank() == 0:
         print("\n" + markdown([result]))
     dist.destroy_process_group()

@@ -30,9 +30,9 @@ from simplefsdp.grad_squares import track_grad_squares, tracked_grad_squares
 from simplefsdp.train.checkpoint import CheckpointError, Checkpointer, check_folder
 from simplefsdp.train.config import (BASELINES, ConfigError, JobConfig, compiled_fingerprint, load, model_fingerprint,
                                      tracks_grad_squares, validate)
-from simplefsdp.train.data import data_parallel_rank, rank_slice, token_stream
+from simplefsdp.train.data import data_parallel_rank, rank_slice, to_device, token_stream
 from simplefsdp.train.optimizer import clipped_step, make_optimizer
-from simplefsdp.train.metrics import MetricsLog, StepMetrics, flops_per_token, peak_flops, peak_memory_gib
+from simplefsdp.train.metrics import MetricsLog, StepMetrics, StepReadout, flops_per_token, peak_flops, peak_memory_gib
 from simplefsdp.models.llama import cross_entropy_loss
 from simplefsdp.tracing import trace
 
@@ -68,8 +68,13 @@ def loss_function(cfg: JobConfig, device_type: str):
 
 
 def train_step(runner, optimizer, batch, *, params, dp_size: int, max_norm: float = 0.0, mark=None,
-               loss_fn=cross_entropy_loss, squares=None) -> tuple[float, float]:
-    """One AdamW step on this rank's slice ``batch``; the global mean loss and the gradient norm.
+               loss_fn=cross_entropy_loss, squares=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """One AdamW step on this rank's slice ``batch``; the global mean loss and the gradient norm,
+    as scalar tensors on the device. Nothing here waits for the step's kernels at its end: the
+    caller reads the values (``.item()``) when it needs them, so a loop that reads them late
+    queues the next step's kernels while this one's run (on one H100, gpu_moe's compiled forward
+    took about 5 ms of host time to start its first kernel, with the GPU idle, when every step
+    ended with a read).
 
     ``mark(phase)``, if given, is called as each phase ends: ``"forward+backward"``, ``"clip"``,
     ``"optimizer"`` (the benchmarks time the phases with it). ``loss_fn(logits, labels)``: the
@@ -91,7 +96,7 @@ def train_step(runner, optimizer, batch, *, params, dp_size: int, max_norm: floa
     reported = loss.detach().clone()
     if dp_size > 1:
         dist.all_reduce(reported, op=dist.ReduceOp.AVG)
-    return reported.item(), norm.item()
+    return reported, norm
 
 
 def train_steps(model, data, *, lr: float, dp_rank: int = 0, dp_size: int = 1, on_step=None) -> list[float]:
@@ -105,8 +110,8 @@ def train_steps(model, data, *, lr: float, dp_rank: int = 0, dp_size: int = 1, o
     for step, batch in enumerate(data):
         losses.append(train_step(model, optimizer, rank_slice(batch, dp_rank, dp_size), params=params, dp_size=dp_size)[0])
         if on_step is not None:
-            on_step(step, losses[-1])
-    return losses
+            on_step(step, losses[-1].item())
+    return [loss.item() for loss in losses]
 
 
 def _mesh(cfg: JobConfig, world: int, device_type: str):
@@ -244,20 +249,29 @@ def run(cfg: JobConfig, start_step: int) -> list[float]:
     squares = tracked_grad_squares(model)
     losses = []
     interval = cfg.checkpoint.interval
-    for step in range(start_step + 1, t.steps + 1):
-        begin = time.perf_counter()
-        batch = tuple(x.to(device) for x in rank_slice(stream.batch(step - 1), dp_rank, dp_size))
-        loss, norm = train_step(runner, optimizer, batch, params=params, dp_size=dp_size, max_norm=t.max_norm,
-                                loss_fn=loss_fn, squares=squares)
-        if cuda:
-            torch.cuda.synchronize()
-        seconds = time.perf_counter() - begin
+    read_until = time.perf_counter()
+
+    def log_step(step: int, readout: StepReadout) -> None:  # once the step after it is queued
+        nonlocal read_until
+        loss, norm = readout.read()
+        seconds, read_until = time.perf_counter() - read_until, time.perf_counter()
         tps = tokens_per_step / seconds
         log.log(StepMetrics(step, loss, norm, tps, 1e3 * seconds, peak_memory_gib(device),
                             tps * fpt / (world * peak) if peak else None))
         losses.append(loss)
+
+    queued = None
+    for step in range(start_step + 1, t.steps + 1):
+        batch = to_device(rank_slice(stream.batch(step - 1), dp_rank, dp_size), device)
+        loss, norm = train_step(runner, optimizer, batch, params=params, dp_size=dp_size, max_norm=t.max_norm,
+                                loss_fn=loss_fn, squares=squares)
+        if queued is not None:
+            log_step(*queued)
+        queued = (step, StepReadout(loss, norm))
         if step == t.steps or (interval and step % interval == 0):
             checkpointer.save(step)
+    if queued is not None:
+        log_step(*queued)
     log.close()
     return losses
 

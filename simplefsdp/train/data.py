@@ -10,6 +10,9 @@ step), and a resumed run needs no data-loader state: batch ``s`` is rebuilt from
 * :class:`FileTokens`: windows at random offsets of a token file: ``.txt`` (UTF-8 bytes as tokens,
   needs ``vocab_size >= 256``), ``.bin`` (little-endian uint16, as nanoGPT writes) or ``.pt`` (a
   1-D integer tensor).
+
+:func:`to_device` moves a rank's slice to its device without the host waiting: a GPU copy from
+pageable memory returns only once the kernels queued before it (the last step's) have run.
 """
 
 from __future__ import annotations
@@ -91,3 +94,10 @@ def rank_slice(batch: Batch, dp_rank: int, dp_size: int) -> Batch:
     """Data-parallel rank ``dp_rank``'s rows of a global batch."""
     rows = batch[0].shape[0] // dp_size
     return tuple(t[dp_rank * rows : (dp_rank + 1) * rows] for t in batch)
+
+
+def to_device(batch: Batch, device: torch.device) -> Batch:
+    """``batch`` on ``device``; to a GPU from pinned memory, queued behind the kernels before it."""
+    if device.type != "cuda":
+        return tuple(x.to(device) for x in batch)
+    return tuple(x.pin_memory().to(device, non_blocking=True) for x in batch)

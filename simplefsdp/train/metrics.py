@@ -2,9 +2,14 @@
 TensorBoard scalars when asked for.
 
 A record holds ``step``, ``loss`` (the global batch's mean loss), ``grad_norm`` (before clipping),
-``tokens_per_s`` (global tokens over the step's wall time), ``step_ms``, ``peak_mem_gib`` (the
+``tokens_per_s`` (global tokens over the step's time, below), ``step_ms``, ``peak_mem_gib`` (the
 device's peak allocated memory on a GPU, the process's peak resident size on the CPU) and ``mfu``
 (model FLOPs utilization, GPUs only: FLOPs per token from the config, over the device's peak).
+
+The training loop logs a step once the next one is queued: :class:`StepReadout` copies a step's
+loss and norm to the host behind that step's kernels, and reading it waits for that copy alone, so
+the GPU has the next step's kernels to run while the host waits and logs. A step's time is then
+the time between two readouts, which on a GPU that is never idle is its time on the GPU.
 """
 
 from __future__ import annotations
@@ -60,6 +65,29 @@ def peak_memory_gib(device: torch.device) -> float:
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**30
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
+
+
+class StepReadout:
+    """A step's loss and gradient norm on their way to the host. On a GPU the copy goes to pinned
+    memory behind the step's kernels, and :meth:`read` waits for it, not for kernels queued later."""
+
+    def __init__(self, loss: torch.Tensor, norm: torch.Tensor):
+        values = torch.stack([loss.detach().float(), norm.detach().float().to(loss.device)])
+        self.done = None
+        if values.is_cuda:
+            self.host = torch.empty(values.shape, pin_memory=True)
+            self.host.copy_(values, non_blocking=True)
+            self.done = torch.cuda.Event()
+            self.done.record()
+        else:
+            self.host = values
+
+    def read(self) -> tuple[float, float]:
+        """(loss, norm) as Python floats."""
+        if self.done is not None:
+            self.done.synchronize()
+        loss, norm = self.host.tolist()
+        return loss, norm
 
 
 @dataclass

@@ -8,6 +8,7 @@ from their measurements is right.
 from __future__ import annotations
 
 import os
+import time
 import sys
 
 import pytest
@@ -177,6 +178,23 @@ def test_step_split_times_each_phase_of_train_step():
     row = {**_row("SimpleFSDP compiled", 1.0, 1.0, [1.0]), "phase_ms": {"forward+backward": 120.0, "clip": 5.8, "optimizer": 13.6}}
     text = step_time.markdown([dict(environment="GPU", command="cmd", warmup=1, steps=2, rows=[row])])
     assert "| forward+backward | clip | optimizer |" in text and "| 120.0 " in text
+
+
+def test_a_step_timed_after_another_counts_from_its_end():
+    cpu = torch.device("cpu")
+    with step_time.StepTimer(cpu) as first:
+        first.mark("work")
+    assert first.seconds is not None  # it waited
+    time.sleep(0.05)  # the host between steps: the GPU would idle
+    with step_time.StepTimer(cpu, wait=False, after=first) as second:
+        second.mark("work")
+    assert second.seconds is None
+    second.finish()
+    assert second.seconds >= 0.05 and second.phases["work"] >= 0.05
+    alone = step_time.StepTimer(cpu)
+    with alone:
+        pass
+    assert alone.seconds < 0.05
 
 
 def test_live_at_peak_replays_the_allocators_events():

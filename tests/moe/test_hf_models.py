@@ -96,7 +96,7 @@ def _train(model, runner, dp_rank: int = 0, dp_size: int = 1):
 
     losses = [
         train_step(runner, optimizer, rank_slice(stream.batch(step), dp_rank, dp_size), params=params, dp_size=dp_size,
-                   mark=first_gradients)[0]
+                   mark=first_gradients)[0].item()
         for step in range(STEPS)
     ]
     return grads, losses
