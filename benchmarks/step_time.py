@@ -10,11 +10,11 @@ fp32 gradient reduction) and each activation-checkpointing setting, it trains
 
 through the training entry point's own ``build`` and ``train_step`` (AdamW, gradient clipping).
 Warm-up steps (the first compiles) are excluded; the median of the timed steps, measured with
-CUDA events, gives tokens/s. The timed steps run back to back, as the CLI runs them (the host
-reads a step's loss later, and copies each batch from pinned memory): each is timed from the end
-of the one before. With ``--sync-each-step`` each waits for its kernels before the next begins,
-as a loop that reads the loss at once does. It reports the ratio to FSDP2 eager, peak allocated and reserved
-memory, MFU (:func:`simplefsdp.train.metrics.flops_per_token` over the bf16 peak), the warm-up's extra
+CUDA events, gives tokens/s. The timed steps run back to back, as the CLI runs them on a GPU (the
+host reads a step's loss later, and copies each batch from pinned memory): each is timed from the
+end of the one before. With ``--sync-each-step`` each waits for its kernels before the next
+begins, as a loop that reads the loss at once does. It reports the ratio to FSDP2 eager, peak
+allocated and reserved memory, MFU (:func:`simplefsdp.train.metrics.flops_per_token` over the bf16 peak), the warm-up's extra
 time (compile time, with Inductor's caches off so every compile is cold) and whether the losses of
 the runs with and without passes are equal bit for bit. With ``--profile`` the compiled SimpleFSDP
 and eager FSDP2 runs are profiled for a few more steps and their GPU time split into communication

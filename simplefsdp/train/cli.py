@@ -17,6 +17,7 @@ Config errors are caught before any rank starts and reported as one line naming 
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import os
 import sys
@@ -251,29 +252,37 @@ def run(cfg: JobConfig, start_step: int) -> list[float]:
     interval = cfg.checkpoint.interval
     read_until = time.perf_counter()
 
-    def log_step(step: int, readout: StepReadout) -> None:  # once the step after it is queued
+    def log_step(step: int, readout: StepReadout) -> None:
         nonlocal read_until
         loss, norm = readout.read()
-        seconds, read_until = time.perf_counter() - read_until, time.perf_counter()
+        now = time.perf_counter()
+        seconds, read_until = now - read_until, now
         tps = tokens_per_step / seconds
         log.log(StepMetrics(step, loss, norm, tps, 1e3 * seconds, peak_memory_gib(device),
                             tps * fpt / (world * peak) if peak else None))
         losses.append(loss)
 
-    queued = None
+    queued, lag = collections.deque(), steps_read_late(device)
     for step in range(start_step + 1, t.steps + 1):
         batch = to_device(rank_slice(stream.batch(step - 1), dp_rank, dp_size), device)
         loss, norm = train_step(runner, optimizer, batch, params=params, dp_size=dp_size, max_norm=t.max_norm,
                                 loss_fn=loss_fn, squares=squares)
-        if queued is not None:
-            log_step(*queued)
-        queued = (step, StepReadout(loss, norm))
+        queued.append((step, StepReadout(loss, norm)))
+        while len(queued) > lag:
+            log_step(*queued.popleft())
         if step == t.steps or (interval and step % interval == 0):
             checkpointer.save(step)
-    if queued is not None:
-        log_step(*queued)
+    while queued:
+        log_step(*queued.popleft())
     log.close()
     return losses
+
+
+def steps_read_late(device: torch.device) -> int:
+    """How many steps the training loop queues before it reads the oldest one: 1 on a GPU, so the
+    GPU runs the next step while the host waits for this one's loss; 0 on the CPU, where a step has
+    run when ``train_step`` returns (a late read would only shift the steps' times by one)."""
+    return 1 if device.type == "cuda" else 0
 
 
 def configure_rank_process(cfg: JobConfig) -> None:

@@ -6,10 +6,10 @@ A record holds ``step``, ``loss`` (the global batch's mean loss), ``grad_norm`` 
 device's peak allocated memory on a GPU, the process's peak resident size on the CPU) and ``mfu``
 (model FLOPs utilization, GPUs only: FLOPs per token from the config, over the device's peak).
 
-The training loop logs a step once the next one is queued: :class:`StepReadout` copies a step's
-loss and norm to the host behind that step's kernels, and reading it waits for that copy alone, so
-the GPU has the next step's kernels to run while the host waits and logs. A step's time is then
-the time between two readouts, which on a GPU that is never idle is its time on the GPU.
+On a GPU the training loop logs a step once the next one is queued: :class:`StepReadout` copies a
+step's loss and norm to the host behind that step's kernels, and reading it waits for that copy
+alone, so the GPU has the next step's kernels to run while the host waits and logs. A step's time
+is the time between two readouts, which on a GPU that is never idle is its time on the GPU.
 """
 
 from __future__ import annotations

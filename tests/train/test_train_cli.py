@@ -453,8 +453,8 @@ def test_a_train_step_reads_nothing_back_to_the_host(monkeypatch):
 
 
 def test_the_cli_logs_a_step_once_the_next_is_queued(fake_world, monkeypatch, tmp_path):
-    """The training loop reads step k's loss after queueing step k + 1, so the GPU runs that
-    step's kernels while the host waits; the last step is read after the loop, and the records
+    """On a GPU the training loop reads step k's loss after queueing step k + 1, so the GPU runs
+    that step's kernels while the host waits; the last step is read after the loop, and the records
     are the same steps in order."""
     import types
 
@@ -473,11 +473,15 @@ def test_the_cli_logs_a_step_once_the_next_is_queued(fake_world, monkeypatch, tm
     queue, read = train.train_step, StepReadout.read
     monkeypatch.setattr(train, "train_step", lambda *args, **kwargs: (events.append("queue"), queue(*args, **kwargs))[1])
     monkeypatch.setattr(StepReadout, "read", lambda self: (events.append("read"), read(self))[1])
+    monkeypatch.setattr(train, "steps_read_late", lambda device: 1)  # as on a GPU
     losses = train.run(cfg, 0)
     assert events == ["queue", "queue", "read", "queue", "read", "save 3", "read"]
     records = read_records(os.path.join(str(tmp_path), "metrics.jsonl"))
     assert [r["step"] for r in records] == [1, 2, 3] and [r["loss"] for r in records] == losses
     assert all(math.isfinite(r["loss"]) and r["step_ms"] > 0 for r in records)
+    monkeypatch.undo()
+    # on the CPU a step has run when train_step returns: it is read at once, so its time is its own
+    assert train.steps_read_late(torch.device("cpu")) == 0 and train.steps_read_late(torch.device("cuda")) == 1
 
 
 @pytest.mark.parametrize("overrides, tracked", [
