@@ -8,8 +8,8 @@ from their measurements is right.
 from __future__ import annotations
 
 import os
-import time
 import sys
+import time
 
 import pytest
 import torch
