@@ -15,15 +15,18 @@ before the optimizer step into the backward.
 The identity sits right after the shard is taken (``ParamGather.gather_local``), so its backward
 sees the final local gradient: reduced, divided, in the parameter's dtype. It changes no gradient.
 
-:meth:`GradSquares.take` gives a group's sum only where it counted exactly one gradient for each
-of the group's parameters that has one. Two backwards before a step (gradient accumulation) or a
-parameter gathered twice in one forward (a module called twice under ``torch.compile``) sum the
-squares of partial gradients, which is not the square of their sum: such a group's count does not
-match, and its norm is read from the gradients instead (:func:`simplefsdp.train.grad_norm.grad_norm`).
-Reading the counts costs one device-to-host copy per step, after backward.
+:meth:`GradSquares.take` gives each group's sum with a flag, true where the group counted exactly
+one gradient for each of its parameters that has one. Two backwards before a step (gradient
+accumulation) or a parameter gathered twice in one forward (a module called twice under
+``torch.compile``) sum the squares of partial gradients, which is not the square of their sum: such
+a group's count does not match, and its norm must be read from the gradients instead
+(:func:`simplefsdp.train.grad_norm.grad_norm`). The flag stays on the device: the norm decides
+there (:mod:`simplefsdp.train.square_sum`), so the host does not wait for the backward to end.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 import torch.nn as nn
@@ -37,6 +40,16 @@ def group_key(param: torch.Tensor):
     return (param.device_mesh, tuple(param.placements)) if isinstance(param, DTensor) else None
 
 
+class Taken(NamedTuple):
+    """A group's squares after backward: ``sum``, the local sum of squared gradients (float32
+    scalar), and ``counted_right``, a boolean scalar, true where the backward counted exactly one
+    gradient per parameter with a gradient, so that ``sum`` is the sum of their squares. Both on
+    the group's device."""
+
+    sum: torch.Tensor
+    counted_right: torch.Tensor
+
+
 class GradSquares:
     """A model's sinks (:func:`track_grad_squares`): ``sinks`` by group key, ``sink_of`` by
     parameter key (``WrappedParams.keys``)."""
@@ -47,21 +60,19 @@ class GradSquares:
         self.sink_of = sink_of
 
     def take(self, params) -> dict:
-        """Per group key, the local sum of squared gradients of ``params`` computed in backward,
-        for each group where it counted one gradient per parameter with a gradient; the sinks are
-        cleared for the next backward. Groups left out must be read (module docstring)."""
+        """Per group key, the backward's :class:`Taken` squares of ``params``' gradients; the sinks
+        are cleared for the next backward. Nothing is copied to the host: whether a group's count
+        is right stays on the device, for the caller to decide there (module docstring)."""
         with_grad: dict = {}
         for p in params:
             if p.grad is not None:
                 with_grad[group_key(p)] = with_grad.get(group_key(p), 0) + 1
-        found = [(key, sink.grad) for key, sink in self.sinks.items() if sink.grad is not None]
-        for sink in self.sinks.values():
-            sink.grad = None
-        if not found:
-            return {}
-        stacked = torch.stack([grad for _, grad in found])
-        counts = stacked[:, 1].tolist()  # one copy to the host
-        return {key: stacked[i, 0].clone() for i, ((key, _), n) in enumerate(zip(found, counts)) if n == with_grad.get(key)}
+        taken = {}
+        for key, sink in self.sinks.items():
+            if sink.grad is not None:
+                taken[key] = Taken(sink.grad[0], sink.grad[1] == with_grad.get(key, 0))
+                sink.grad = None
+        return taken
 
     def stop(self) -> None:
         """Stop computing squares in backward (a compiled model traces its gathers again, without)."""

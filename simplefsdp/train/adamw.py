@@ -9,9 +9,10 @@ the group at once:
 * a table on the device holds, per tensor, the addresses of its parameter, gradient and moments,
   its element count and its two step coefficients (``lr / (1 - beta1^step)`` and
   ``sqrt(1 - beta2^step)``, computed on the host in double precision as torch does);
-* the tensors are cut into chunks of ``CHUNK`` elements; program ``i`` updates chunk ``i``, found
-  through two cached arrays (which tensor, which offset), so one launch covers the group however
-  many tensors it has and however their sizes differ;
+* the tensors are cut into chunks of ``BLOCK * CHUNK_BLOCKS`` elements; program ``i`` updates
+  chunk ``i``, found through two cached arrays (which tensor, which offset), so one launch covers
+  the group however many tensors it has and however their sizes differ (the table and the arrays:
+  :mod:`simplefsdp.train.tensor_chunks`);
 * the clip divisor ``max(1, (norm + 1e-6) / max_norm)`` stays a tensor on the device; each program
   loads it and divides the gradient in registers. The gradient is only read: after the step it
   still holds the unclipped values (torch's ``clip_grad_norm_`` overwrites them).
@@ -33,12 +34,13 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 from typing import Callable
 
 import torch
 from torch.distributed.tensor import DTensor
 from torch.optim.adamw import adamw as torch_adamw
+
+from simplefsdp.train.tensor_chunks import address_table, chunk_map, kernel_runs_on, to_device
 
 try:
     import triton
@@ -115,9 +117,8 @@ def _kernel_takes(tensors: list[torch.Tensor]) -> bool:
     """Parameter, gradient and moments: contiguous, 16-byte aligned, of one dtype the kernel has."""
     if triton is None:
         return False
-    interpreted = os.environ.get("TRITON_INTERPRET") == "1"
     return all(t.dtype == tensors[0].dtype in _KERNEL_DTYPES and t.is_contiguous() and t.data_ptr() % 16 == 0
-               and (t.is_cuda or interpreted) for t in tensors)
+               and kernel_runs_on(t.device) for t in tensors)
 
 
 class AdamW(torch.optim.AdamW):
@@ -134,15 +135,14 @@ class AdamW(torch.optim.AdamW):
         if isinstance(lr, torch.Tensor):
             raise ValueError("simplefsdp AdamW takes lr as a float, not a tensor")
         super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, foreach=True)
-        self._chunk_maps: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 
     @torch.no_grad()
     def step(self, closure=None, *, grad_divisor: torch.Tensor | Callable[[], torch.Tensor] | None = None):
         """One AdamW step of every param group. ``grad_divisor``: a scalar tensor each gradient is
         divided by as it is read, or a function returning one, called once after every group's
         host-side preparation (state, step counts, tensor tables and their copies to the device)
-        and before any group's update runs. A divisor that waits for the GPU (a norm whose check
-        copies to the host) then waits while the preparation is already done, not before it."""
+        and before any group's update runs. A divisor that waits for the GPU (a norm that reads a
+        value to the host) then waits while the preparation is already done, not before it."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -185,18 +185,6 @@ class AdamW(torch.optim.AdamW):
             foreach=True, amsgrad=False, beta1=beta1, beta2=beta2, lr=group["lr"],
             weight_decay=group["weight_decay"], eps=group["eps"], maximize=False)
 
-    def _chunk_map(self, device: torch.device, numels: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
-        """(tensor index, first element) of every chunk; cached, as the sizes do not change."""
-        key = (device, numels, BLOCK * CHUNK_BLOCKS)
-        if key not in self._chunk_maps:
-            chunk = BLOCK * CHUNK_BLOCKS
-            counts = torch.tensor([math.ceil(n / chunk) for n in numels])
-            tensor_index = torch.repeat_interleave(torch.arange(len(numels)), counts)
-            first_chunk = torch.cumsum(counts, 0) - counts
-            start = (torch.arange(len(tensor_index)) - first_chunk[tensor_index]) * chunk
-            self._chunk_maps[key] = (tensor_index.to(device, torch.int32), start.to(device, torch.int64))
-        return self._chunk_maps[key]
-
     def _kernel_update(self, group, entries) -> Callable[[torch.Tensor | None], None]:
         """Prepare one kernel launch over ``entries`` (one device and dtype): the step counts, the
         device tables; returns the launch, which takes the divisor."""
@@ -209,12 +197,10 @@ class AdamW(torch.optim.AdamW):
             self.state[p]["step"] += 1
             steps.append(self.state[p]["step"].item())
         device = columns[0][0].device
-        table = torch.tensor([t.data_ptr() for column in columns for t in column] + list(numels), dtype=torch.int64)
-        coefs = torch.tensor([lr / (1 - beta1**s) for s in steps] + [math.sqrt(1 - beta2**s) for s in steps],
-                             dtype=torch.float32)
-        if device.type == "cuda":
-            table, coefs = (t.pin_memory().to(device, non_blocking=True) for t in (table, coefs))
-        tensor_index, start = self._chunk_map(device, numels)
+        table = address_table(columns, device)
+        coefs = to_device(torch.tensor([lr / (1 - beta1**s) for s in steps] + [math.sqrt(1 - beta2**s) for s in steps],
+                                       dtype=torch.float32), device)
+        tensor_index, start = chunk_map(device, numels, BLOCK * CHUNK_BLOCKS)
 
         def launch(grad_divisor: torch.Tensor | None) -> None:
             if not len(tensor_index):  # every shard of the group is empty on this rank

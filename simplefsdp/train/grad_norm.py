@@ -7,7 +7,9 @@ sum is then all-reduced over exactly
 the mesh dims where the gradient is sharded (a replicated dim holds the same values on every
 rank and is counted once). One all-reduce per distinct sharded group, not one per parameter.
 Where the model tracks its gradients' squares (:mod:`simplefsdp.grad_squares`), a group's local
-sum comes from the backward instead, and its gradients are not read for the norm.
+sum comes from the backward instead, and its gradients are read for the norm only where the
+backward's count says the sum is not theirs; that choice is made on the device
+(:mod:`simplefsdp.train.square_sum`), so the norm never waits for the backward on the host.
 """
 
 from __future__ import annotations
@@ -17,21 +19,20 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from simplefsdp.grad_squares import GradSquares, group_key
+from simplefsdp.grad_squares import GradSquares, Taken, group_key
+from simplefsdp.train.square_sum import square_sum_unless
+from simplefsdp.train.tensor_chunks import kernel_runs_on
 
 
-def total_norm(groups: dict[tuple | None, list[torch.Tensor]], squares: dict | None = None) -> torch.Tensor:
+def total_norm(groups: dict[tuple | None, list[torch.Tensor]], squares: dict[tuple, Taken] | None = None) -> torch.Tensor:
     """The 2-norm of all gradients together, as a float32 scalar on their device, equal on all ranks;
-    ``groups``: their local tensors by (mesh, placements), as :func:`_by_mesh` gives them;
-    ``squares``: the local sum of squares of some of those groups, already computed (in backward,
-    :mod:`simplefsdp.grad_squares`), whose tensors are then not read."""
+    ``groups``: the gradients (DTensors or their local tensors) by (mesh, placements), as
+    :func:`group_by_mesh` gives them; ``squares``: what the backward computed for some of those
+    groups (:meth:`GradSquares.take`), whose tensors are then read only where its count is off."""
     squares = squares or {}
     total = None
-    for key, locals_ in groups.items():
-        if key in squares:
-            s = squares[key]
-        else:  # one multi-tensor kernel per group, as torch.nn.utils.get_total_norm does
-            s = torch.stack(torch._foreach_norm([t.float() for t in locals_])).pow(2).sum()
+    for key, grads in groups.items():
+        s = _square_sum(grads, squares.get(key))
         if key is not None:
             mesh, placements = key
             for dim, placement in enumerate(placements):
@@ -43,6 +44,24 @@ def total_norm(groups: dict[tuple | None, list[torch.Tensor]], squares: dict | N
     if total is None:
         return torch.zeros(())
     return total.sqrt()
+
+
+def _square_sum(grads: list[torch.Tensor], taken: Taken | None) -> torch.Tensor:
+    """The local sum of squares of one group's gradients: from the backward where it counted right,
+    else read. On a device that runs Triton kernels the choice is made there
+    (:func:`square_sum_unless`); elsewhere (the CPU) reading the flag costs the host nothing, and
+    a group counted right takes no local tensor."""
+    if taken is None:
+        return _read_square_sum(grads)
+    if kernel_runs_on(taken.sum.device):
+        unless = square_sum_unless(_locals(grads), taken.counted_right)
+        return torch.where(taken.counted_right, taken.sum, unless)
+    return taken.sum.clone() if bool(taken.counted_right) else _read_square_sum(grads)
+
+
+def _read_square_sum(grads: list[torch.Tensor]) -> torch.Tensor:
+    """One multi-tensor kernel per group, as torch.nn.utils.get_total_norm does."""
+    return torch.stack(torch._foreach_norm([t.float() for t in _locals(grads)])).pow(2).sum()
 
 
 def group_by_mesh(tensors) -> dict[tuple | None, list[torch.Tensor]]:
@@ -66,15 +85,10 @@ def _by_mesh(grads: list[torch.Tensor]) -> dict[tuple | None, list[torch.Tensor]
 def grad_norm(params, squares: GradSquares | None = None) -> torch.Tensor:
     """The total gradient norm of ``params`` (every rank gets the same value). With ``squares``
     (the model's :func:`simplefsdp.grad_squares.track_grad_squares`), each group whose squares the
-    backward computed is not read again, and its local tensors are not even taken.
-
-    The grouping is host work over every gradient; it runs before ``squares.take``, whose count
-    check copies to the host and so waits for the backward's last kernels, not after it, while the
-    GPU would wait for the host."""
+    backward computed is read only where their count is off (:func:`_square_sum`)."""
     params = list(params)
     groups = group_by_mesh([p.grad for p in params if p.grad is not None])
-    known = squares.take(params) if squares is not None else {}
-    return total_norm({key: [] if key in known else _locals(grads) for key, grads in groups.items()}, known)
+    return total_norm(groups, squares.take(params) if squares is not None else None)
 
 
 def clip_divisor(norm: torch.Tensor, max_norm: float) -> torch.Tensor:

@@ -46,10 +46,12 @@ def clipped_step(optimizer: torch.optim.Optimizer, params, max_norm: float, mark
     backward (:func:`simplefsdp.grad_squares.track_grad_squares`), so the norm reads no gradient.
 
     With this project's AdamW the norm is taken inside its step, after the step has prepared every
-    group's update on the host: the norm's count check copies to the host and so waits for the
-    backward's last kernels, and the preparation runs while they do instead of after, when the GPU
-    would have nothing to run (with the check first, gpu_moe's optimizer phase on an H200 took
-    14.1 ms around an 11.8 ms kernel). ``mark("clip")``'s phase then holds that preparation too."""
+    group's update on the host. Where the norm waits for the backward's last kernels (the squares'
+    count read on the host, on a GPU without Triton), the preparation then runs while they do
+    instead of after, when the GPU would have nothing to run (with the wait first, gpu_moe's
+    optimizer phase on an H200 took 14.1 ms around an 11.8 ms kernel); with Triton the norm does
+    not wait at all (:mod:`simplefsdp.train.square_sum`). ``mark("clip")``'s phase holds that
+    preparation too."""
     if max_norm <= 0 or not isinstance(optimizer, AdamW):
         norm = clip_grads_(params, max_norm, squares)
         mark("clip")

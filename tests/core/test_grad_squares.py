@@ -5,6 +5,9 @@ gradients."""
 from __future__ import annotations
 
 import dataclasses
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -40,7 +43,7 @@ def _tracked_against_untracked(compiled: bool):
         out[track] = [p.grad.to_local().clone() for p in params]
         if track:
             read = _read_squares(params)
-            taken = {str(k): v.item() for k, v in squares.take(params).items()}
+            taken = {str(k): (t.sum.item(), t.counted_right.item()) for k, t in squares.take(params).items()}
             norms = grad_norm(params), grad_norm(params, squares)  # the sinks are empty now: read again
     same = all(torch.equal(a, b) for a, b in zip(out[False], out[True], strict=True))
     return same, read, taken, [n.item() for n in norms]
@@ -56,7 +59,7 @@ def test_squares_from_backward_equal_the_gradients_and_change_none(compiled):
     assert same
     assert taken.keys() == read.keys() and len(taken) == 2  # dense on dp_shard, experts on [edp, ep]
     for key in read:
-        assert taken[key] == pytest.approx(read[key], rel=1e-6), key
+        assert taken[key] == (pytest.approx(read[key], rel=1e-6), True), key
     assert norms[0] == norms[1]  # nothing taken twice: the second norm read the gradients
 
 
@@ -85,24 +88,25 @@ def _wrapped(module: nn.Module, mesh) -> nn.Module:
 
 
 def test_two_backwards_before_a_step_read_the_gradients(mesh):
-    """Accumulated gradients: the sink counted two gradients per parameter, so nothing is taken
-    and the norm is read; after that, one backward is taken again."""
+    """Accumulated gradients: the sink counted two gradients per parameter, so the squares are
+    not counted right and the norm is read; after that, one backward counts right again."""
     model = _wrapped(nn.Sequential(nn.Linear(8, 8, bias=False), nn.Linear(8, 8, bias=False)), mesh)
     squares = track_grad_squares(model)
     params, x = list(model.parameters()), torch.randn(4, 8)
     for _ in range(2):
         model(x).sum().backward()
-    assert squares.take(params) == {}
+    (twice,) = squares.take(params).values()
+    assert not twice.counted_right
     for p in params:
         p.grad = None
     model(x).sum().backward()
-    (value,) = squares.take(params).values()
-    assert value.item() == pytest.approx(next(iter(_read_squares(params).values())), rel=1e-6)
+    (once,) = squares.take(params).values()
+    assert once.counted_right and once.sum.item() == pytest.approx(next(iter(_read_squares(params).values())), rel=1e-6)
 
 
 def test_a_group_whose_squares_are_known_takes_no_local_gradient(mesh, monkeypatch):
-    """The norm from squares reads no gradient and takes no local tensor of one either: that host
-    work (a ``to_local`` per gradient) would run after the count check has waited for the GPU."""
+    """On the CPU, where the host reads the count at no cost, the norm from squares counted right
+    reads no gradient and takes no local tensor of one either (a ``to_local`` per gradient)."""
     from torch.distributed.tensor import DTensor
 
     model = _wrapped(nn.Sequential(nn.Linear(8, 8, bias=False), nn.Linear(8, 8, bias=False)), mesh)
@@ -132,6 +136,88 @@ def test_a_module_called_twice_reads_its_group(mesh, compiled):
     runner(x).sum().backward()
     assert grad_norm(params, squares) == grad_norm(params)
     torch._dynamo.reset()
+
+
+_ON_A_KERNEL_DEVICE = """
+import math
+import torch
+import torch.nn as nn
+from torch.distributed.device_mesh import init_device_mesh
+from simplefsdp import simple_fsdp
+from simplefsdp.grad_squares import track_grad_squares
+from simplefsdp.train import square_sum
+from simplefsdp.train.grad_norm import grad_norm
+from tests.conftest import fake_world_at
+from tests.core.test_grad_squares import _Twice
+
+square_sum.BLOCK, square_sum.CHUNK_BLOCKS = 64, 2  # chunks of 128 elements: tensors span several, end mid-chunk
+gen = torch.Generator().manual_seed(0)
+
+# the kernel: fp32 and bf16 launches, and a transposed tensor the kernel does not take (torch reads it)
+tensors = [torch.randn(s, generator=gen) for s in ((300,), (7, 50), (5,))]
+tensors += [torch.randn(200, generator=gen).bfloat16(), torch.randn(6, 40, generator=gen).t()]
+expected = sum(t.double().pow(2).sum() for t in tensors).item()
+summed = square_sum.square_sum_unless(tensors, torch.tensor(False))
+assert summed.dtype == torch.float32 and abs(summed.item() - expected) <= 1e-6 * expected, (summed, expected)
+poisoned = [torch.full_like(t, math.nan) for t in tensors]
+assert square_sum.square_sum_unless(poisoned, torch.tensor(True)).item() == 0.0  # nothing read
+
+# the norm: the flag decides, and nothing is read back to the host (Tensor.cpu and .numpy are the
+# interpreter's own way to run a kernel on the CPU, so they are left alone)
+world = fake_world_at(0)
+next(world)
+mesh = init_device_mesh("cpu", (8,), mesh_dim_names=("dp_shard",))
+
+def no_read(*args, **kwargs):
+    raise AssertionError("the norm read a value back to the host")
+
+def case(module, backwards):
+    torch.manual_seed(0)
+    model = simple_fsdp(module, mesh)
+    squares = track_grad_squares(model)
+    params, x = list(model.parameters()), torch.randn(4, 8, generator=gen)
+    for _ in range(backwards):
+        model(x).sum().backward()
+    read = grad_norm(params).item()  # no squares given: the gradients are read
+    from_sinks = math.sqrt(sum(sink.grad[0].item() for sink in squares.sinks.values()))
+    if backwards == 1 and not isinstance(module, _Twice):  # counted right: poisoned gradients are not read
+        for p in params:
+            p.grad.to_local().fill_(math.nan)
+    saved = {name: getattr(torch.Tensor, name) for name in ("item", "tolist", "__bool__", "__float__")}
+    for name in saved:
+        setattr(torch.Tensor, name, no_read)
+    try:
+        decided = grad_norm(params, squares)
+    finally:
+        for name, method in saved.items():
+            setattr(torch.Tensor, name, method)
+    return decided.item(), read, from_sinks
+
+linears = lambda: nn.Sequential(nn.Linear(8, 8, bias=False), nn.Linear(8, 8, bias=False))
+decided, read, from_sinks = case(linears(), 1)
+assert abs(decided - read) <= 1e-6 * read and abs(from_sinks - read) <= 1e-6 * read, (decided, read, from_sinks)
+for name, module, backwards in (("called twice", _Twice(), 1), ("two backwards", linears(), 2)):
+    decided, read, from_sinks = case(module, backwards)
+    assert abs(from_sinks - read) > 1e-3 * read, (name, from_sinks, read)  # the squares are not the norm's
+    assert abs(decided - read) <= 1e-6 * read, (name, decided, read)
+print("decided on the device")
+"""
+
+
+def test_on_a_kernel_device_the_norm_decides_without_the_host():
+    """Where Triton runs (here its interpreter on the CPU, small chunks), the norm never reads the
+    squares' count back to the host: a group counted right gives the backward's squares and reads
+    no gradient (poisoned with NaN, the norm stays finite); a module called twice and two backwards
+    before a step read their gradients, within 1e-6 of the norm read without squares. The kernel
+    alone: fp32, bf16 and a tensor it does not take, within 1e-6 of the sum in float64; skipped, it
+    gives 0 for tensors of NaN."""
+    pytest.importorskip("triton")
+    pytest.importorskip("numpy")  # Triton's interpreter computes with numpy
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    done = subprocess.run([sys.executable, "-c", _ON_A_KERNEL_DEVICE], env=dict(os.environ, TRITON_INTERPRET="1"),
+                          capture_output=True, text=True, cwd=root)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "decided on the device" in done.stdout, done.stdout
 
 
 def test_stop_ends_tracking(mesh):
