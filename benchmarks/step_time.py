@@ -22,7 +22,8 @@ and eager FSDP2 runs are profiled for a few more steps and their GPU time split 
 (exposed), and by category (matmul, grouped matmul, attention, routing and permutation, copies,
 optimizer, elementwise and norm: ``kernel_category``, from kernel names). The same profile gives
 the GPU's idle time inside a step (``idle_gaps``: no kernel running, as between a host sync and the
-next launch), with the largest gaps named by the kernels around them.
+next launch), with the largest gaps named by the kernels around them. ``--host-syncs`` runs one more
+step under torch's CUDA sync debug mode and lists where the host waited for the GPU (``host_syncs``).
 
 Run plainly it uses one GPU (or the CPU). There every process group has one rank: collectives are
 local copies, so it measures what the compiler does to compute, memory and launch overhead, not
@@ -322,9 +323,36 @@ def peak_summary(blocks: list[tuple[int, str, int]]) -> dict:
                 last_allocated=[dict(mib=size / 2**20, site=site, event=i) for size, site, i in last])
 
 
+SYNC_WARNING = "called a synchronizing CUDA operation"  # torch's sync debug mode warns with this
+
+
+def host_syncs(step) -> dict[str, int]:
+    """One call of ``step()`` under torch's CUDA sync debug mode, warning: every place where the
+    host waited for the GPU (a value read back, a copy to pageable memory, ...) as ``file:line:
+    source`` (generated code included), with how often it waited there. The mode is set back to
+    what it was, also when the step fails."""
+    import linecache
+    import warnings
+
+    torch.cuda.synchronize()
+    before = torch.cuda.get_sync_debug_mode()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            step()
+        finally:
+            torch.cuda.set_sync_debug_mode(before)
+    torch.cuda.synchronize()
+    sites = collections.Counter(
+        f"{os.path.basename(w.filename)}:{w.lineno}: {linecache.getline(w.filename, w.lineno).strip()[:120]}"
+        for w in caught if SYNC_WARNING in str(w.message))
+    return dict(sites.most_common())
+
+
 def run_one(model_name: str, mode: str, ac: str, *, warmup: int, steps: int, device: torch.device,
             profile: int, memory: bool = False, overrides: list[tuple[str, str]] = (),
-            sync_each_step: bool = False) -> dict:
+            sync_each_step: bool = False, syncs: bool = False) -> dict:
     """Train ``warmup + steps`` steps of one model in one mode on every rank; rank 0's figures.
 
     Each warm-up step waits for its kernels (their wall time gives the compile time). The timed
@@ -378,6 +406,8 @@ def run_one(model_name: str, mode: str, ac: str, *, warmup: int, steps: int, dev
             row["profile"] = profile_steps(lambda: step(len(losses)), profile)
         if memory:
             row["memory_at_peak"] = memory_at_peak(lambda: step(len(losses)))
+        if syncs:
+            row["host_syncs"] = host_syncs(lambda: step(len(losses)))
     return row
 
 
@@ -452,6 +482,12 @@ def markdown(results: list[dict]) -> str:
                 out.append(table(["model", "AC", "run", "gap", "ms"],
                                  [[r["model"], r["ac"], r["mode"], f"`{name}`", _num(1e3 * seconds, 2)]
                                   for r in gapped for name, seconds in list(r["profile"]["idle_gaps_s"].items())[:SHOWN_GAPS]]))
+        waiting = [r for r in rows if "host_syncs" in r]
+        if waiting:
+            out.append("\nWhere the host waits for the GPU in one step (`host_syncs`, torch's CUDA sync debug mode):\n")
+            out.append(table(["model", "AC", "run", "site", "waits"],
+                             [[r["model"], r["ac"], r["mode"], f"`{site}`", n] for r in waiting
+                              for site, n in (r["host_syncs"].items() or [("none", 0)])]))
         for r in rows:
             if "memory_at_peak" in r:
                 m = r["memory_at_peak"]
@@ -480,6 +516,8 @@ def main() -> None:
     p.add_argument("--profile", type=int, nargs="?", const=3, default=0, help="profile this many extra steps")
     p.add_argument("--memory", action="store_true",
                    help="one more step with the allocator's history: what is live at its peak, by allocation site")
+    p.add_argument("--host-syncs", action="store_true",
+                   help="one more step under torch's CUDA sync debug mode: where the host waits for the GPU")
     p.add_argument("--sync-each-step", action="store_true",
                    help="each timed step waits for its kernels before the next starts (by default they run back to back)")
     p.add_argument("--deterministic", action="store_true",
@@ -507,7 +545,7 @@ def main() -> None:
             for mode in args.modes.split(","):
                 measure(result, args.out, model_name, mode, ac, warmup=args.warmup, steps=args.steps, device=device,
                         profile=args.profile, memory=args.memory, overrides=[kv.split("=", 1) for kv in args.set],
-                        sync_each_step=args.sync_each_step)
+                        sync_each_step=args.sync_each_step, syncs=args.host_syncs)
     if dist.get_rank() == 0:
         print("\n" + markdown([result]))
     dist.destroy_process_group()

@@ -221,6 +221,37 @@ def test_live_at_peak_replays_the_allocators_events():
     assert f"0.500 GiB more at its peak, reached at `{site}`" in text
 
 
+def test_host_syncs_name_where_the_host_waited_and_restore_the_mode(monkeypatch):
+    """Sync warnings are counted by the line that raised them, other warnings are not, and the
+    debug mode is set back to what it was, also when the step fails."""
+    import warnings
+
+    modes = ["error"]  # a mode the caller had set
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    monkeypatch.setattr(torch.cuda, "get_sync_debug_mode", lambda: modes[-1])
+    monkeypatch.setattr(torch.cuda, "set_sync_debug_mode", modes.append)
+
+    def step():
+        for _ in range(2):
+            warnings.warn(f"x: {step_time.SYNC_WARNING}")  # the line the sites name
+        warnings.warn("unrelated")
+
+    line = step.__code__.co_firstlineno + 2
+    site = f"test_benchmarks.py:{line}: {open(__file__).readlines()[line - 1].strip()}"
+    assert step_time.host_syncs(step) == {site: 2}
+    assert modes == ["error", "warn", "error"]
+
+    def failing():
+        raise RuntimeError("boom")
+
+    with pytest.raises(RuntimeError, match="boom"):
+        step_time.host_syncs(failing)
+    assert modes[-1] == "error"
+    row = {**_row("SimpleFSDP compiled", 1.0, 1.0, [1.0]), "host_syncs": {site: 2}}
+    text = step_time.markdown([dict(environment="GPU", command="cmd", warmup=1, steps=2, rows=[row])])
+    assert f"| `{site}` | 2" in text
+
+
 def test_grouped_offsets_pad_each_group():
     counts = torch.tensor([1, 16, 0, 17])
     assert moe_kernels.offsets(counts).tolist() == [16, 32, 32, 64]
