@@ -271,9 +271,10 @@ def run(cfg: JobConfig, start_step: int) -> list[float]:
         while len(queued) > lag:
             log_step(*queued.popleft())
         if step == t.steps or (interval and step % interval == 0):
+            while queued:  # every step is read before the save, and the clock restarts after it:
+                log_step(*queued.popleft())  # the save is no step's time
             checkpointer.save(step)
-    while queued:
-        log_step(*queued.popleft())
+            read_until = time.perf_counter()
     log.close()
     return losses
 

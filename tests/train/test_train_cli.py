@@ -454,8 +454,9 @@ def test_a_train_step_reads_nothing_back_to_the_host(monkeypatch):
 
 def test_the_cli_logs_a_step_once_the_next_is_queued(fake_world, monkeypatch, tmp_path):
     """On a GPU the training loop reads step k's loss after queueing step k + 1, so the GPU runs
-    that step's kernels while the host waits; the last step is read after the loop, and the records
-    are the same steps in order."""
+    that step's kernels while the host waits. Before a checkpoint is saved every queued step is
+    read, and the clock restarts after the save: no step's time holds a save (here 1 s each). The
+    records are the same steps in order."""
     import types
 
     import torch
@@ -463,22 +464,23 @@ def test_the_cli_logs_a_step_once_the_next_is_queued(fake_world, monkeypatch, tm
     from simplefsdp.train.config import load
     from simplefsdp.train.metrics import StepReadout
 
-    cfg = load(DENSE, [("training.steps", "3"), ("training.compile", "false"), ("parallel.dp_shard", "8"),
-                       ("metrics.out_dir", str(tmp_path))])
+    cfg = load(DENSE, [("training.steps", "4"), ("training.compile", "false"), ("parallel.dp_shard", "8"),
+                       ("checkpoint.interval", "2"), ("metrics.out_dir", str(tmp_path))])
     vocab = cfg.model_config().vocab_size
     model = torch.nn.Sequential(torch.nn.Embedding(vocab, 8), torch.nn.Linear(8, vocab))
     events = []
     monkeypatch.setattr(train, "build", lambda *args: (model, model, torch.optim.SGD(model.parameters(), lr=0.1)))
-    monkeypatch.setattr(train, "Checkpointer", lambda *args: types.SimpleNamespace(save=lambda step: events.append(f"save {step}")))
+    saving = lambda step: (events.append(f"save {step}"), time.sleep(1.0))
+    monkeypatch.setattr(train, "Checkpointer", lambda *args: types.SimpleNamespace(save=saving))
     queue, read = train.train_step, StepReadout.read
     monkeypatch.setattr(train, "train_step", lambda *args, **kwargs: (events.append("queue"), queue(*args, **kwargs))[1])
     monkeypatch.setattr(StepReadout, "read", lambda self: (events.append("read"), read(self))[1])
     monkeypatch.setattr(train, "steps_read_late", lambda device: 1)  # as on a GPU
     losses = train.run(cfg, 0)
-    assert events == ["queue", "queue", "read", "queue", "read", "save 3", "read"]
+    assert events == ["queue", "queue", "read", "read", "save 2", "queue", "queue", "read", "read", "save 4"]
     records = read_records(os.path.join(str(tmp_path), "metrics.jsonl"))
-    assert [r["step"] for r in records] == [1, 2, 3] and [r["loss"] for r in records] == losses
-    assert all(math.isfinite(r["loss"]) and r["step_ms"] > 0 for r in records)
+    assert [r["step"] for r in records] == [1, 2, 3, 4] and [r["loss"] for r in records] == losses
+    assert all(math.isfinite(r["loss"]) and 0 < r["step_ms"] < 900 for r in records), [r["step_ms"] for r in records]
     monkeypatch.undo()
     # on the CPU a step has run when train_step returns: it is read at once, so its time is its own
     assert train.steps_read_late(torch.device("cpu")) == 0 and train.steps_read_late(torch.device("cuda")) == 1
