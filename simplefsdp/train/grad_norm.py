@@ -20,7 +20,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from simplefsdp.grad_squares import GradSquares, Taken, group_key
-from simplefsdp.train.square_sum import square_sum_unless
+from simplefsdp.train.square_sum import square_sum, square_sum_unless
 from simplefsdp.train.tensor_chunks import kernel_runs_on
 
 
@@ -32,7 +32,7 @@ def total_norm(groups: dict[tuple | None, list[torch.Tensor]], squares: dict[tup
     squares = squares or {}
     total = None
     for key, grads in groups.items():
-        s = _square_sum(grads, squares.get(key))
+        s = _group_square_sum(grads, squares.get(key))
         if key is not None:
             mesh, placements = key
             for dim, placement in enumerate(placements):
@@ -46,22 +46,17 @@ def total_norm(groups: dict[tuple | None, list[torch.Tensor]], squares: dict[tup
     return total.sqrt()
 
 
-def _square_sum(grads: list[torch.Tensor], taken: Taken | None) -> torch.Tensor:
+def _group_square_sum(grads: list[torch.Tensor], taken: Taken | None) -> torch.Tensor:
     """The local sum of squares of one group's gradients: from the backward where it counted right,
     else read. On a device that runs Triton kernels the choice is made there
     (:func:`square_sum_unless`); elsewhere (the CPU) reading the flag costs the host nothing, and
     a group counted right takes no local tensor."""
     if taken is None:
-        return _read_square_sum(grads)
+        return square_sum(_locals(grads))
     if kernel_runs_on(taken.sum.device):
         unless = square_sum_unless(_locals(grads), taken.counted_right)
         return torch.where(taken.counted_right, taken.sum, unless)
-    return taken.sum.clone() if bool(taken.counted_right) else _read_square_sum(grads)
-
-
-def _read_square_sum(grads: list[torch.Tensor]) -> torch.Tensor:
-    """One multi-tensor kernel per group, as torch.nn.utils.get_total_norm does."""
-    return torch.stack(torch._foreach_norm([t.float() for t in _locals(grads)])).pow(2).sum()
+    return taken.sum.clone() if bool(taken.counted_right) else square_sum(_locals(grads))
 
 
 def group_by_mesh(tensors) -> dict[tuple | None, list[torch.Tensor]]:
@@ -85,7 +80,7 @@ def _by_mesh(grads: list[torch.Tensor]) -> dict[tuple | None, list[torch.Tensor]
 def grad_norm(params, squares: GradSquares | None = None) -> torch.Tensor:
     """The total gradient norm of ``params`` (every rank gets the same value). With ``squares``
     (the model's :func:`simplefsdp.grad_squares.track_grad_squares`), each group whose squares the
-    backward computed is read only where their count is off (:func:`_square_sum`)."""
+    backward computed is read only where their count is off (:func:`_group_square_sum`)."""
     params = list(params)
     groups = group_by_mesh([p.grad for p in params if p.grad is not None])
     return total_norm(groups, squares.take(params) if squares is not None else None)

@@ -55,6 +55,12 @@ def _kernel_takes(t: torch.Tensor) -> bool:
     return t.dtype in _KERNEL_DTYPES and t.is_contiguous() and kernel_runs_on(t.device)
 
 
+def square_sum(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """The float32 sum of the squares of every element of ``tensors``, always read: one
+    multi-tensor kernel, as ``torch.nn.utils.get_total_norm`` does."""
+    return torch.stack(torch._foreach_norm([t.float() for t in tensors])).pow(2).sum()
+
+
 def square_sum_unless(tensors: list[torch.Tensor], skip: torch.Tensor) -> torch.Tensor:
     """The float32 sum of the squares of every element of ``tensors``, or 0 where the boolean
     scalar ``skip`` (on their device) is true; the host never reads ``skip`` (module docstring)."""
@@ -72,6 +78,6 @@ def square_sum_unless(tensors: list[torch.Tensor], skip: torch.Tensor) -> torch.
         sums.append(out.sum())
     others = [t for t in tensors if not _kernel_takes(t)]
     if others:
-        read = torch.stack(torch._foreach_norm([t.float() for t in others])).pow(2).sum().to(device)
+        read = square_sum(others).to(device)
         sums.append(torch.where(skip, torch.zeros_like(read), read))
     return torch.stack(sums).sum() if sums else torch.zeros((), device=device)
