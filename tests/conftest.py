@@ -52,6 +52,23 @@ def pytest_runtest_teardown(item):
     _running.pop("item", None)
 
 
+def run_under_triton_interpreter(script: str) -> str:
+    """``script``'s stdout, run by a new Python at the repository's root under Triton's
+    interpreter (``TRITON_INTERPRET=1``: Triton kernels run on CPU tensors, with numpy; set before
+    triton is imported, hence the process of its own). Skips without triton or numpy; fails with
+    the script's stderr."""
+    import subprocess
+    import sys
+
+    pytest.importorskip("triton")
+    pytest.importorskip("numpy")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    done = subprocess.run([sys.executable, "-c", script], env=dict(os.environ, TRITON_INTERPRET="1"),
+                          capture_output=True, text=True, cwd=root)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout
+
+
 def fake_world_at(rank: int):
     """World size 8 in this process, as ``rank``: collectives trace and run, but move no data."""
     from torch.testing._internal.distributed.fake_pg import FakeStore

@@ -5,9 +5,6 @@ gradients."""
 from __future__ import annotations
 
 import dataclasses
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -20,6 +17,7 @@ from simplefsdp.models.moe import MoEConfig
 from simplefsdp.train.data import rank_slice
 from simplefsdp.train.grad_norm import _by_mesh, grad_norm
 from tests import training as T
+from tests.conftest import run_under_triton_interpreter
 
 MOE = MoEConfig(**dataclasses.asdict(T.CFG), num_experts=8, top_k=2, expert_dim=32)
 
@@ -211,13 +209,7 @@ def test_on_a_kernel_device_the_norm_decides_without_the_host():
     before a step read their gradients, within 1e-6 of the norm read without squares. The kernel
     alone: fp32, bf16 and a tensor it does not take, within 1e-6 of the sum in float64; skipped, it
     gives 0 for tensors of NaN."""
-    pytest.importorskip("triton")
-    pytest.importorskip("numpy")  # Triton's interpreter computes with numpy
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    done = subprocess.run([sys.executable, "-c", _ON_A_KERNEL_DEVICE], env=dict(os.environ, TRITON_INTERPRET="1"),
-                          capture_output=True, text=True, cwd=root)
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert "decided on the device" in done.stdout, done.stdout
+    assert "decided on the device" in run_under_triton_interpreter(_ON_A_KERNEL_DEVICE)
 
 
 def test_stop_ends_tracking(mesh):

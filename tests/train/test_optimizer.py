@@ -5,9 +5,6 @@ its multi-tensor Triton kernel, run on the CPU under Triton's interpreter."""
 from __future__ import annotations
 
 import dataclasses
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -18,6 +15,7 @@ from simplefsdp import simple_fsdp
 from simplefsdp.models.moe import MoEConfig
 from simplefsdp.train.optimizer import make_optimizer, param_groups
 from tests import training as T
+from tests.conftest import run_under_triton_interpreter
 
 MOE = MoEConfig(**dataclasses.asdict(T.CFG), num_experts=8, top_k=2, expert_dim=32)
 
@@ -257,14 +255,9 @@ def test_triton_kernel_matches_torch_fused_adamw_with_clipping():
     in: parameters and both moments within 1e-6 of their largest element of clipping first and
     then torch's fused AdamW, over three steps; the gradients are never written; no tensor takes
     the torch path. In bf16 (math in fp32), within one bf16 rounding."""
-    pytest.importorskip("triton")
-    pytest.importorskip("numpy")  # Triton's interpreter computes with numpy
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    done = subprocess.run([sys.executable, "-c", _KERNEL_CHECK], env=dict(os.environ, TRITON_INTERPRET="1"),
-                          capture_output=True, text=True, cwd=root)
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert "kernel ok" in done.stdout, done.stdout
-    print(done.stdout)
+    out = run_under_triton_interpreter(_KERNEL_CHECK)
+    assert "kernel ok" in out, out
+    print(out)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
