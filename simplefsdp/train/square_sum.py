@@ -67,13 +67,14 @@ def square_sum_unless(tensors: list[torch.Tensor], skip: torch.Tensor) -> torch.
     device = skip.device
     sums = []
     taken = [t for t in tensors if _kernel_takes(t)]
+    skip_flag = skip.to(torch.int32) if taken else None  # what the kernel loads, made once for every launch
     for dtype in dict.fromkeys(t.dtype for t in taken):  # one launch per dtype, in first-seen order
         same = [t for t in taken if t.dtype == dtype]
         tensor_index, start = chunk_map(device, tuple(t.numel() for t in same), BLOCK * CHUNK_BLOCKS)
         out = torch.empty(len(tensor_index), dtype=torch.float32, device=device)
         if len(tensor_index):
             _square_sum_kernel[(len(tensor_index),)](
-                address_table([same], device), tensor_index, start, skip.to(torch.int32), out, len(same),
+                address_table([same], device), tensor_index, start, skip_flag, out, len(same),
                 DTYPE=_KERNEL_DTYPES[dtype], BLOCK=BLOCK, CHUNK_BLOCKS=CHUNK_BLOCKS)
         sums.append(out.sum())
     others = [t for t in tensors if not _kernel_takes(t)]
