@@ -19,6 +19,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(
 import comm_model  # noqa: E402
 import moe_kernels  # noqa: E402
 import multi_gpu  # noqa: E402
+import rank_graphs  # noqa: E402
 import report  # noqa: E402
 import step_time  # noqa: E402
 from comm_model import Links, Node, simulate  # noqa: E402
@@ -250,6 +251,24 @@ def test_host_syncs_name_where_the_host_waited_and_restore_the_mode(monkeypatch)
     row = {**_row("SimpleFSDP compiled", 1.0, 1.0, [1.0]), "host_syncs": {site: 2}}
     text = step_time.markdown([dict(environment="GPU", command="cmd", warmup=1, steps=2, rows=[row])])
     assert f"| `{site}` | 2" in text
+
+
+def test_rank_graphs_compare_each_graph_with_group_names_aside(tmp_path):
+    """Two ranks' traces: the forward graphs differ only in a group name, the backward graphs in a
+    shape too."""
+    def log(rank, group, shape):
+        header = 'V1208 00:00:00.000000 1 torch/_dynamo/x.py:1] {"%s": {}, "frame_id": 2, "has_payload": "ab"}\n'
+        body = (f"\t\tag = torch.ops._c10d_functional.all_gather_into_tensor.default(x, 2, '{group}')\n"
+                f"\t\ty: \"f32[{shape}]\" = torch.ops.aten.mm.default(ag, w)\n")
+        path = tmp_path / f"dedicated_log_torch_trace_rank_{rank}_x.log"
+        path.write_text(header % "aot_forward_graph" + body.replace(shape, "4") + header % "aot_backward_graph" + body
+                        + 'V1208 00:00:01.000000 1 torch/_dynamo/x.py:2] {"compilation_metrics": {}}\n')
+        return str(path)
+
+    ours, theirs = rank_graphs.graphs(log(0, "1", "8")), rank_graphs.graphs(log(1, "2", "6"))
+    assert list(ours) == ["aot_forward_graph", "aot_backward_graph"] and len(ours["aot_backward_graph"][0].splitlines()) == 2
+    assert rank_graphs.differing_lines(ours["aot_forward_graph"][0], theirs["aot_forward_graph"][0]) == (1, 0)
+    assert rank_graphs.differing_lines(ours["aot_backward_graph"][0], theirs["aot_backward_graph"][0]) == (2, 1)
 
 
 def test_grouped_offsets_pad_each_group():
