@@ -109,13 +109,14 @@ def _chunks(starts: list[torch.fx.Node], layer: str) -> list[_Chunk]:
         elif len(sources) == 1 and chunks[sources[0]].outgoing is None:
             chunks[sources[0]].outgoing = a
     reached = {a: _closure(waits_of(a), _users) for a in starts}
+    position = {n: i for i, n in enumerate(starts[0].graph.nodes)} if starts else {}
     for incoming, chunk in chunks.items():
         others = set().union(*(reached[b] for b in chunks if b is not incoming))
         after = reached.get(chunk.outgoing, set())
-        chunk.matmuls = [
+        chunk.matmuls = sorted((  # in graph order, so the pins the pass writes are the same in every run
             n for n in reached[incoming]
             if op_name(n) in MATMULS and n not in others and n not in after and module_path(n).startswith(layer)
-        ]
+        ), key=position.__getitem__)
     return list(chunks.values())
 
 
