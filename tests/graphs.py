@@ -3,12 +3,15 @@
 :func:`captured_graphs` installs a post-grad pass that records, for every graph Inductor lowers
 (forward first, then backward), the ordered list of communication and matmul nodes, with process
 groups shown by mesh dim name instead of the run-dependent group number. Caches are disabled while
-it is active, since a cache hit skips the pass.
+it is active, since a cache hit skips the pass. Inductor stops after that pass unless asked to lower
+the graphs (:func:`post_grad_only`): graph tests then build no kernels.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
+import unittest.mock
 
 import torch
 from torch._inductor.custom_graph_pass import CustomGraphPass
@@ -87,17 +90,49 @@ def _group_names(source) -> dict[str, str]:
     return {m.get_group().group_name: (m.mesh_dim_names or ("dp",))[0] for m in meshes} | tokens
 
 
+def _post_grad_graph_only(gm, example_inputs, *, is_inference=False, **kwargs):
+    """Inductor's inner compile up to its post-grad passes (the custom one included), no further:
+    the compiled function runs the post-grad graph op by op."""
+    from torch._functorch.aot_autograd import make_boxed_func
+    from torch._inductor.compile_fx import _recursive_post_grad_passes, fake_tensor_prop, view_to_reshape
+    from torch._inductor.virtualized import V
+
+    view_to_reshape(gm)  # the steps compile_fx_inner takes before its post-grad passes
+    with torch.no_grad():
+        fake_mode = fake_tensor_prop(gm, example_inputs)
+    with V.set_fake_mode(fake_mode):
+        _recursive_post_grad_passes(gm, is_inference=is_inference)
+    gm.recompile()
+    return make_boxed_func(gm.forward)
+
+
 @contextlib.contextmanager
-def captured_graphs(source, passes=()):
+def post_grad_only():
+    """While active, Inductor compiles graphs only as far as its post-grad passes: no kernel is
+    generated or built (most of a small graph test's time on CPU), and the compiled model runs its
+    post-grad graphs op by op. Everything before (Dynamo, AOTAutograd, the partitioner, the joint
+    and post-grad passes) is Inductor's own, so the graphs a post-grad pass sees are those of a full
+    compile (``test_graphs_are_those_of_a_full_compile``); what the run computes is not checked."""
+    from torch._inductor import compile_fx
+
+    graph_only = functools.partial(compile_fx.compile_fx, inner_compile=_post_grad_graph_only)
+    with unittest.mock.patch.object(compile_fx, "compile_fx", graph_only):  # looked up by the "inductor" backend
+        yield
+
+
+@contextlib.contextmanager
+def captured_graphs(source, passes=(), lower=False):
     """Yield a list that fills with one description per compiled graph (forward, then backward).
 
     ``source`` (a DeviceMesh, or a wrapped model) names the process groups; ``passes`` run on
-    each graph before it is described.
+    each graph before it is described. Unless ``lower``, Inductor stops there
+    (:func:`post_grad_only`).
     """
     capture = _Capture(_group_names(source), passes)
     chain = SimpleFSDPPasses(user_pass=capture)
     chain.passes = []  # only the passes given to the capture run, in its own order
-    with torch._inductor.config.patch(post_grad_custom_post_pass=chain):
+    with torch._inductor.config.patch(post_grad_custom_post_pass=chain), (
+            contextlib.nullcontext() if lower else post_grad_only()):
         yield capture.graphs
 
 

@@ -32,7 +32,7 @@ from simplefsdp.passes.region_saves import RegionSaves
 from simplefsdp.passes.fx_utils import op_name
 from simplefsdp.passes.ops import COLLECTIVES
 from tests.conftest import FAKE_RANKS, fake_world_at
-from tests.graphs import spread_routing
+from tests.graphs import post_grad_only, spread_routing
 from tests.moe.hf_families import FAMILIES
 
 # one dense block, then three MoE blocks (two distinct block graphs); vocab 97 and ffn 90 give
@@ -132,7 +132,7 @@ def _outlines(model, **options):
     outline = _Outline()
     chain = SimpleFSDPPasses(user_pass=outline)
     tokens = torch.randint(0, MOE.vocab_size, (2, 16))
-    with torch._inductor.config.patch(post_grad_custom_post_pass=chain):
+    with torch._inductor.config.patch(post_grad_custom_post_pass=chain), post_grad_only():
         out = torch.compile(model, fullgraph=True, options=options)(tokens)
         cross_entropy_loss(out, tokens).backward()
     return outline

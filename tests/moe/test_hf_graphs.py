@@ -33,6 +33,7 @@ from simplefsdp.passes.fx_utils import module_path, op_name, pinned_call
 from simplefsdp.passes.ops import MATMULS
 from tests.conftest import FAKE_RANKS, fake_world_at
 from tests.moe.hf_families import FAMILIES
+from tests.graphs import post_grad_only
 
 EP = 2
 VOCAB = 97  # uneven over 8 ranks: rank 7 holds 6 rows (and the gate's [1, 32] weight nothing)
@@ -83,7 +84,7 @@ def _compiled_graphs(model, tokens) -> list[torch.fx.Graph]:
     capture = _Capture()
     chain = SimpleFSDPPasses(user_pass=capture)
     chain.passes = []
-    with torch._inductor.config.patch(post_grad_custom_post_pass=chain):
+    with torch._inductor.config.patch(post_grad_custom_post_pass=chain), post_grad_only():
         out = torch.compile(model, fullgraph=True)(tokens)
         getattr(out, "logits", out).sum().backward()
     return capture.graphs
