@@ -71,7 +71,7 @@ class _Capture(CustomGraphPass):
         return None
 
 
-def _group_names(source) -> dict[str, str]:
+def group_names(source) -> dict[str, str]:
     """Process-group name -> mesh dim name, for a DeviceMesh or a model wrapped by simple_fsdp
     (whose token all-to-alls' group shows as ``tokens``)."""
     tokens = {}  # the token all-to-alls' own group
@@ -128,7 +128,7 @@ def captured_graphs(source, passes=(), lower=False):
     each graph before it is described. Unless ``lower``, Inductor stops there
     (:func:`post_grad_only`).
     """
-    capture = _Capture(_group_names(source), passes)
+    capture = _Capture(group_names(source), passes)
     chain = SimpleFSDPPasses(user_pass=capture)
     chain.passes = []  # only the passes given to the capture run, in its own order
     with torch._inductor.config.patch(post_grad_custom_post_pass=chain), (

@@ -14,7 +14,7 @@ from simplefsdp import compile_options, simple_fsdp
 from simplefsdp.models.llama import cross_entropy_loss
 from simplefsdp.models.moe import MOE_CONFIGS, moe_transformer
 from tests.conftest import FAKE_RANKS, fake_world_at
-from tests.graphs import _group_names, captured_graphs, spread_routing
+from tests.graphs import captured_graphs, group_names, spread_routing
 
 
 @pytest.fixture(**FAKE_RANKS)
@@ -37,7 +37,7 @@ def _post_grad_graphs(mesh, lower: bool) -> tuple[list[str], list[list[str]]]:
     tokens = torch.randint(0, cfg.vocab_size, (2, 16))
     with captured_graphs(model, passes=[*default_passes, lambda graph: texts.append(str(graph))], lower=lower) as graphs:
         cross_entropy_loss(torch.compile(model, fullgraph=True)(tokens), tokens).backward()
-    names = _group_names(model)
+    names = group_names(model)
     group_arg = re.compile(r"(_c10d_functional\.\w+\.default\]\(args = \(.*, )(\w+)(\), kwargs = \{\}\))$", re.M)
     return [group_arg.sub(lambda m: m[1] + names[m[2]] + m[3], text) for text in texts], graphs
 
