@@ -93,12 +93,13 @@ class _Chunk:
         self.matmuls: list[torch.fx.Node] = []
 
 
-def _chunks(starts: list[torch.fx.Node], layer: str) -> list[_Chunk]:
+def _chunks(starts: list[torch.fx.Node], layer: str, position: dict[torch.fx.Node, int]) -> list[_Chunk]:
     """Pair a layer's floating all-to-alls (graph order) into chunks, in incoming order.
 
     An all-to-all is outgoing when an earlier one of the layer is among its inputs' ancestors;
     that one is its chunk's incoming all-to-all. A chunk's matmuls are those of the layer that
-    depend on its incoming all-to-all's result, on no other chunk's, and not on its outgoing one.
+    depend on its incoming all-to-all's result, on no other chunk's, and not on its outgoing one,
+    in graph order (``position``: each node's index).
     """
     ancestors = {a: _closure(a.all_input_nodes, _inputs) for a in starts}
     chunks: dict[torch.fx.Node, _Chunk] = {}
@@ -109,11 +110,10 @@ def _chunks(starts: list[torch.fx.Node], layer: str) -> list[_Chunk]:
         elif len(sources) == 1 and chunks[sources[0]].outgoing is None:
             chunks[sources[0]].outgoing = a
     reached = {a: _closure(waits_of(a), _users) for a in starts}
-    position = {n: i for i, n in enumerate(starts[0].graph.nodes)} if starts else {}
     for incoming, chunk in chunks.items():
         others = set().union(*(reached[b] for b in chunks if b is not incoming))
         after = reached.get(chunk.outgoing, set())
-        chunk.matmuls = sorted((  # in graph order, so the pins the pass writes are the same in every run
+        chunk.matmuls = sorted((  # not set order: the pins the pass writes are then the same in every run
             n for n in reached[incoming]
             if op_name(n) in MATMULS and n not in others and n not in after and module_path(n).startswith(layer)
         ), key=position.__getitem__)
@@ -168,7 +168,7 @@ class AllToAllOverlap(CustomGraphPass):
                     keys[node] = (anchor, anchor + 0.25, position[node])
 
         for layer, starts, shared in self._layers(graph):
-            chunks = [c for c in _chunks(starts, layer) if c.outgoing is not None and waits_of(c.incoming) and waits_of(c.outgoing)]
+            chunks = [c for c in _chunks(starts, layer, position) if c.outgoing is not None and waits_of(c.incoming) and waits_of(c.outgoing)]
             if not chunks:
                 continue
             record = {"layer": layer, "chunks": len(chunks)}
